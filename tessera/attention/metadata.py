@@ -1,0 +1,70 @@
+"""Per-step attention metadata: the only thing attention layers know about the batch.
+
+The model runner builds one `AttentionMetadata` per step from the scheduler's decisions; every
+layer of the model reads it. Layers never see scheduler objects.
+
+Token layout of a step (the flattened batch, T tokens in all):
+
+    [ decode tokens: one per decoding sequence | prefill spans: each a run of prompt tokens ]
+
+The KV cache of one layer is a pair of tensors `(k_cache, v_cache)`, each of shape
+`[num_slots, num_kv_heads, head_dim]` with `num_slots = num_blocks * block_size`. A token that
+sits at position `p` of a sequence lives in slot `block_table[p // block_size] * block_size +
+p % block_size`. Slot 0 .. block_size-1 (block 0) is never handed to a sequence: padding indices
+point there, so a gather with padding never reads another sequence's data by accident.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence's chunk of new (prompt) tokens in this step.
+
+    `query_start:query_start+query_len` indexes the step's flattened tokens. The chunk's tokens
+    sit at positions `context_len - query_len .. context_len - 1` of the sequence, so it attends
+    causally to everything before it (earlier chunks, cached prefix) and to itself.
+    """
+
+    query_start: int
+    query_len: int
+    context_len: int  # tokens of context after this step's tokens are written (incl. the chunk)
+    context_slots: torch.Tensor  # [context_len] long: cache slot of each context position
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] long: the cache slot where each new token's K/V is written
+    num_decode_tokens: int  # the first num_decode_tokens tokens are decodes, one per sequence
+    # Decodes, batched: context slots padded to the longest context (padding points at slot 0).
+    decode_slots: torch.Tensor | None  # [num_decodes, max_context] long
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] bool, True = attend
+    prefills: list[PrefillSpan]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+def slots_for_positions(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Cache slots of positions start..end-1 of a sequence whose blocks are `block_table`."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+def single_sequence_metadata(num_tokens: int, block_size: int = 16, first_block: int = 1) -> AttentionMetadata:
+    """Metadata for one sequence prefilled from scratch into contiguous blocks starting at
+    `first_block`: what tests and simple tools need without the scheduler."""
+    num_blocks = (num_tokens + block_size - 1) // block_size
+    table = list(range(first_block, first_block + num_blocks))
+    slots = torch.tensor(slots_for_positions(table, 0, num_tokens, block_size), dtype=torch.long)
+    return AttentionMetadata(
+        slot_mapping=slots,
+        num_decode_tokens=0,
+        decode_slots=None,
+        decode_mask=None,
+        prefills=[PrefillSpan(0, num_tokens, num_tokens, slots)],
+    )

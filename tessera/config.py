@@ -1,0 +1,110 @@
+"""Frozen configuration objects: the model's architecture and the engine's knobs.
+
+Every optimization is a field here, so a benchmark can A/B it and the advisor can switch it.
+Derived values (KV block count, dtype) are computed once at start-up, never per step.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyperparameters of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # HF-style rope scaling dict, e.g. {"rope_type": "llama3", "factor": 8.0, ...} or None.
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has biases on q, k and v
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})"
+            )
+
+    def kv_bytes_per_token(self, element_size: int) -> int:
+        """Bytes of K and V one token occupies across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+
+
+@functools.cache
+def cpu_has_bf16() -> bool:
+    """True when the CPU runs bf16 matmuls natively (AVX-512 BF16 or AMX); else bf16 is emulated and slow."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Map the --dtype flag to a torch dtype; auto picks bfloat16 only where the CPU has native bf16."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    choices = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
+    if dtype == "auto":
+        if torch.cuda.is_available():
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    if dtype not in choices:
+        raise ValueError(f"--dtype {dtype!r} is not supported; choose one of auto, {', '.join(choices)}")
+    return choices[dtype]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the user chose when starting the engine (flags of `tessera serve`, kwargs of `LLM`)."""
+
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"
+    # Longest prompt + output a request may have; None = the model's max_position_embeddings.
+    max_model_len: int | None = None
+    # KV cache: tokens per block, and the memory the pool may take (bytes). None = a fraction
+    # of free memory (kv_cache_memory_fraction), capped so that a laptop run stays modest.
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    kv_cache_memory_fraction: float = 0.3
+    enable_prefix_caching: bool = True
+    # Scheduler: the token budget of one step (prefill chunks + decodes) and the batch limit.
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    seed: int = 0
+    device: str = "cpu"
+    num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"--block-size must be a positive power of two, got {self.block_size}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
