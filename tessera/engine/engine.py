@@ -1,0 +1,247 @@
+"""LLMEngine: the step loop that ties scheduler, KV cache, model runner and sampler together.
+
+One `step()` = the scheduler picks which sequences run and how many tokens each computes, the
+model runner runs them in one forward pass, the sampler picks the next tokens, and the engine
+appends them, checks stop conditions, frees finished sequences' blocks at once and returns
+per-request output deltas. Front ends (LLM, AsyncLLMEngine) only call the public methods.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from tessera.config import EngineConfig, resolve_dtype
+from tessera.engine.kv_cache import KVCacheManager
+from tessera.engine.kv_sizing import num_kv_blocks
+from tessera.engine.model_runner import ModelRunner
+from tessera.engine.output_processor import SequenceTextState, decode_logprobs
+from tessera.engine.request import Sequence
+from tessera.engine.sampler import Sampler
+from tessera.engine.scheduler import Scheduler
+from tessera.model.download import resolve_model_path
+from tessera.model.llama import LlamaForCausalLM
+from tessera.model.tokenizer import Tokenizer
+from tessera.model.weights import load_model_files
+from tessera.outputs import RequestMetrics, RequestOutput
+from tessera.sampling import SamplingParams
+
+logger = logging.getLogger("tessera")
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    last_step_num_seqs: int
+    last_step_num_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class _RequestState:
+    """A user request: its n sequences and what has been reported about them."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+                 arrival_time: float) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.texts: list[SequenceTextState] = []
+
+    @property
+    def finished(self) -> bool:
+        return all(t.seq.is_finished for t in self.texts)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        path = resolve_model_path(config.model)
+        files = load_model_files(path)
+        self.model_config = mc = files.config
+        self.dtype = resolve_dtype(config.dtype)
+        t0 = time.perf_counter()
+        model = LlamaForCausalLM(mc, self.dtype)
+        model.load_weights(files.weights())
+        model.eval()
+        self.tokenizer = Tokenizer(path)
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        num_blocks = num_kv_blocks(config, mc, self.dtype, self.max_model_len)
+        self.runner = ModelRunner(model, num_blocks, config.block_size)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            kv=self.kv,
+        )
+        self.sampler = Sampler()
+        self._requests: dict[str, _RequestState] = {}
+        self._generators: dict[int, torch.Generator] = {}
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+        self._last_step = (0, 0)
+        logger.info(
+            "loaded %s (%s, %s) in %.1fs; KV cache: %d blocks x %d tokens = %d tokens; max_model_len %d",
+            path.name, mc.architecture, str(self.dtype).removeprefix("torch."), time.perf_counter() - t0,
+            num_blocks - 1, config.block_size, (num_blocks - 1) * config.block_size, self.max_model_len,
+        )
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            prompt_text: str | None = prompt
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_text, prompt_ids = None, list(prompt)
+        self._validate_prompt(prompt_ids, params)
+        state = _RequestState(request_id, prompt_text, prompt_ids, params,
+                              arrival_time if arrival_time is not None else time.monotonic())
+        seqs = [Sequence(request_id, prompt_ids, params, index=i, arrival_time=state.metrics.arrival_time)
+                for i in range(params.n)]
+        for seq in seqs:
+            self.scheduler.add(seq)  # raises ValueError if it can never fit the KV pool
+            state.texts.append(SequenceTextState(seq, self.tokenizer))
+            if params.seed is not None:
+                # Each of the n samples gets its own stream; the same seed repeats the same outputs.
+                self._generators[seq.seq_id] = torch.Generator().manual_seed(params.seed + 1_000_003 * seq.index)
+        self._requests[request_id] = state
+        self._prompt_tokens_total += len(prompt_ids)
+
+    def _validate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is out of the vocabulary (0..{vocab - 1})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens but the model's context is {self.max_model_len} "
+                f"tokens (prompt plus at least one output token); shorten the prompt or raise --max-model-len"
+            )
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            state = self._requests.pop(rid, None)
+            if state is None:
+                continue
+            for seq in self.scheduler.abort(rid):
+                self._generators.pop(seq.seq_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        scheduled = [(s.seq, s.num_new_tokens) for s in out.scheduled]
+        if not scheduled:
+            self._last_step = (0, 0)
+            return []
+        now = time.monotonic()
+        for seq, _ in scheduled:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+        num_decodes = 0
+        for seq, n in scheduled:
+            if n != 1 or seq.num_computed_tokens != seq.num_tokens - 1:
+                break
+            num_decodes += 1
+        step = self.runner.prepare(scheduled, num_decodes)
+        logits = self.runner.execute(step)
+        self.scheduler.update_after_step(out)
+        self._last_step = (len(scheduled), step.metadata.num_tokens)
+        if not step.sample_seqs:
+            return []
+        seqs = step.sample_seqs
+        sampled = self.sampler.sample(
+            logits,
+            [s.sampling_params for s in seqs],
+            [s.output_token_ids for s in seqs],
+            [s.prompt_token_ids for s in seqs],
+            [self._generators.get(s.seq_id) for s in seqs],
+            eos_token_ids=self.eos_token_ids,
+        )
+        self._generation_tokens_total += len(seqs)
+        return self._process_samples(seqs, sampled, time.monotonic())
+
+    def _process_samples(self, seqs: list[Sequence], sampled, now: float) -> list[RequestOutput]:
+        changed: dict[str, _RequestState] = {}
+        for i, seq in enumerate(seqs):
+            state = self._requests[seq.request_id]
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+                if state.metrics.first_token_time is None:
+                    state.metrics.first_token_time = now
+                    state.metrics.first_scheduled_time = seq.first_scheduled_time
+                    state.metrics.num_cached_tokens = seq.num_cached_tokens
+            if seq.sampling_params.logprobs is not None:
+                seq.output_logprobs.append(decode_logprobs(sampled.logprobs[i], self.tokenizer))
+            status = state.texts[seq.index].append_token(sampled.token_ids[i], self.eos_token_ids, self.max_model_len)
+            if status is not None:
+                self.scheduler.finish(seq, status)
+                self._generators.pop(seq.seq_id, None)
+            changed[seq.request_id] = state
+        outputs = []
+        for rid, state in changed.items():
+            finished = state.finished
+            if finished:
+                state.metrics.finished_time = now
+                del self._requests[rid]
+            with_lp = state.params.logprobs is not None
+            outputs.append(RequestOutput(
+                request_id=rid,
+                prompt=state.prompt,
+                prompt_token_ids=state.prompt_ids,
+                outputs=[t.make_output(t.seq.status.finish_reason, with_lp) for t in state.texts],
+                finished=finished,
+                metrics=state.metrics,
+            ))
+        return outputs
+
+    # ---- introspection --------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        kv = self.kv
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_usable_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+            last_step_num_seqs=self._last_step[0],
+            last_step_num_tokens=self._last_step[1],
+            prefix_cache_queries=kv.prefix_queries,
+            prefix_cache_hits=kv.prefix_hits,
+        )
+
+    def check_invariants(self) -> None:
+        """The KV invariant over every live sequence; tests call it after every step."""
+        live = [t.seq for state in self._requests.values() for t in state.texts if not t.seq.is_finished]
+        self.kv.check_invariants(live)

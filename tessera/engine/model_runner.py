@@ -1,0 +1,103 @@
+"""The model runner: turns the scheduler's decisions into tensors, runs the model, returns logits.
+
+This is the only place where engine objects (Sequences, block tables) become tensors. The
+model and its attention layers see a flattened batch and an `AttentionMetadata`, nothing else.
+Everything the layers share (slot mappings, decode gather indices, masks) is built here once
+per step, never once per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tessera.attention.metadata import AttentionMetadata, PrefillSpan
+from tessera.engine.request import Sequence
+
+
+@dataclass
+class StepInput:
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    metadata: AttentionMetadata
+    sample_rows: torch.Tensor  # [S] long: rows of the hidden states whose logits are sampled
+    sample_seqs: list[Sequence]  # the S sequences that sample a token this step, in row order
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
+        self._block_offsets = torch.arange(block_size, dtype=torch.long)
+
+    def prepare(self, scheduled: list[tuple[Sequence, int]], num_decodes: int) -> StepInput:
+        """Build the step's tensors. `scheduled` lists (sequence, new tokens), decodes first."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+
+        # Decodes: one token each, at position num_computed_tokens (the last token).
+        decode_seqs = [seq for seq, _ in scheduled[:num_decodes]]
+        decode_slots = decode_mask = None
+        slot_parts: list[torch.Tensor] = []
+        if decode_seqs:
+            ctx_lens = [seq.num_computed_tokens + 1 for seq in decode_seqs]
+            input_ids.extend(seq.last_token_id for seq in decode_seqs)
+            positions.extend(n - 1 for n in ctx_lens)
+            max_blocks = max(len(seq.block_table) for seq in decode_seqs)
+            tables = torch.tensor(
+                [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in decode_seqs],
+                dtype=torch.long,
+            )
+            max_ctx = max(ctx_lens)
+            all_slots = (tables.unsqueeze(-1) * bs + self._block_offsets).view(len(decode_seqs), -1)
+            decode_slots = all_slots[:, :max_ctx].contiguous()
+            lens = torch.tensor(ctx_lens, dtype=torch.long)
+            decode_mask = (torch.arange(max_ctx) < lens.unsqueeze(1)).view(len(decode_seqs), 1, 1, max_ctx)
+            slot_parts.append(decode_slots.gather(1, (lens - 1).unsqueeze(1)).squeeze(1))
+            sample_rows.extend(range(num_decodes))
+            sample_seqs.extend(decode_seqs)
+
+        # Prefill chunks: a run of tokens each, attending to all earlier context.
+        prefills: list[PrefillSpan] = []
+        for seq, n in scheduled[num_decodes:]:
+            start = seq.num_computed_tokens
+            end = start + n
+            query_start = len(input_ids)
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = torch.tensor(seq.block_table[: (end + bs - 1) // bs], dtype=torch.long)
+            context_slots = (table.unsqueeze(-1) * bs + self._block_offsets).view(-1)[:end]
+            slot_parts.append(context_slots[start:end])
+            prefills.append(PrefillSpan(query_start, n, end, context_slots))
+            if end == seq.num_tokens:  # the last chunk of the prompt samples the first token
+                sample_rows.append(query_start + n - 1)
+                sample_seqs.append(seq)
+
+        metadata = AttentionMetadata(
+            slot_mapping=torch.cat(slot_parts) if len(slot_parts) > 1 else slot_parts[0],
+            num_decode_tokens=num_decodes,
+            decode_slots=decode_slots,
+            decode_mask=decode_mask,
+            prefills=prefills,
+        )
+        return StepInput(
+            input_ids=torch.tensor(input_ids, dtype=torch.long),
+            positions=torch.tensor(positions, dtype=torch.long),
+            metadata=metadata,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long),
+            sample_seqs=sample_seqs,
+        )
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> torch.Tensor:
+        """Run the model on the step; return float32 logits of the sampling rows [S, vocab]."""
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
+        if step.sample_rows.numel() == 0:
+            return hidden.new_empty((0, 0), dtype=torch.float32)
+        return self.model.compute_logits(hidden.index_select(0, step.sample_rows))

@@ -1,0 +1,109 @@
+"""Turning sampled token ids into text, stop decisions and RequestOutput deltas.
+
+One `SequenceTextState` per sequence: incremental detokenization, stop strings (the text is cut
+before the stop string, which is never streamed: text that could still become a stop string is
+held back), and the part of the text already handed to the caller, so streamed deltas always add
+up to the final text.
+"""
+
+from __future__ import annotations
+
+from tessera.engine.request import Sequence, SequenceStatus
+from tessera.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from tessera.outputs import CompletionOutput, Logprob, TokenLogprobs
+
+
+class SequenceTextState:
+    def __init__(self, seq: Sequence, tokenizer: Tokenizer) -> None:
+        self.seq = seq
+        params = seq.sampling_params
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, seq.prompt_token_ids, skip_special_tokens=params.skip_special_tokens
+        )
+        self.stop_strings = list(params.stop or [])
+        self.text = ""  # all text decoded so far (cut at a stop string once one is found)
+        self.emitted = 0  # characters of self.text already handed out
+        self.emitted_tokens = 0
+        self.emitted_logprobs = 0
+        self.stop_reason: int | str | None = None
+
+    def append_token(self, token_id: int, eos_token_ids: set[int], max_model_len: int) -> SequenceStatus | None:
+        """Record a sampled token; return the finished status if the sequence is done."""
+        seq = self.seq
+        params = seq.sampling_params
+        seq.output_token_ids.append(token_id)
+        self.text += self.detokenizer.append([token_id])
+        num_out = seq.num_output_tokens
+        past_min = num_out >= params.min_tokens
+        if past_min and not params.ignore_eos and token_id in eos_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if past_min and token_id in (params.stop_token_ids or ()):
+            self.stop_reason = token_id
+            return SequenceStatus.FINISHED_STOPPED
+        if past_min and self.stop_strings and self._check_stop_strings():
+            return SequenceStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and num_out >= params.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        if seq.num_tokens >= max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def _check_stop_strings(self) -> bool:
+        # Only the tail can hold a new match: search from just before the unreleased text.
+        longest = max(len(s) for s in self.stop_strings)
+        search_from = max(0, self.emitted - longest)
+        for stop in self.stop_strings:
+            at = self.text.find(stop, search_from)
+            if at != -1:
+                keep = at + len(stop) if self.seq.sampling_params.include_stop_str_in_output else at
+                self.text = self.text[:keep]
+                self.stop_reason = stop
+                return True
+        return False
+
+    def _releasable_len(self, finished: bool) -> int:
+        """How much text may be handed out: all of it, less a tail that may begin a stop string."""
+        if finished or not self.stop_strings:
+            return len(self.text)
+        hold = 0
+        for stop in self.stop_strings:
+            for k in range(min(len(stop) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(stop[:k]):
+                    hold = max(hold, k)
+                    break
+        return len(self.text) - hold
+
+    def make_output(self, finish_reason: str | None, with_logprobs: bool) -> CompletionOutput:
+        seq = self.seq
+        end = self._releasable_len(finish_reason is not None)
+        delta_text = self.text[self.emitted : end]
+        self.emitted = max(self.emitted, end)
+        tokens = seq.output_token_ids
+        delta_tokens = tokens[self.emitted_tokens :]
+        self.emitted_tokens = len(tokens)
+        logprobs = delta_logprobs = None
+        if with_logprobs:
+            logprobs = seq.output_logprobs
+            delta_logprobs = logprobs[self.emitted_logprobs :]
+            self.emitted_logprobs = len(logprobs)
+        return CompletionOutput(
+            index=seq.index,
+            text=self.text[: self.emitted],
+            token_ids=list(tokens),
+            finish_reason=finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=logprobs,
+            delta_text=delta_text,
+            delta_token_ids=delta_tokens,
+            delta_logprobs=delta_logprobs,
+        )
+
+
+def decode_logprobs(entry: TokenLogprobs | None, tokenizer: Tokenizer) -> TokenLogprobs | None:
+    """Fill in each token's text; only requests that asked for logprobs pay for it."""
+    if entry is None:
+        return None
+    return {
+        tid: Logprob(lp.logprob, lp.rank, tokenizer.decode([tid], skip_special_tokens=False))
+        for tid, lp in entry.items()
+    }

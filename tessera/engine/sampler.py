@@ -1,0 +1,253 @@
+"""Sampler: turns one step's logits into one token per sequence, in one batched call.
+
+Order of operations, as in vLLM:
+  penalties -> min_tokens mask -> (logprobs are taken here) -> temperature -> top-k -> top-p
+  -> min-p -> draw.
+
+Logprobs convention: the returned logprobs are `log_softmax` of the logits after penalties and
+the min_tokens mask, before temperature and top-k/top-p/min-p. That is the model's own
+distribution (vLLM's default "raw" logprobs, plus the penalties the request asked for), so they
+do not change when a client changes temperature. Ranks are 1 + the number of tokens with a
+strictly higher logprob, so tied tokens share the better rank.
+
+Randomness: a draw is an exponential race, argmax(probs / E) with E ~ Exponential(1) drawn per
+token, which picks token i with probability probs[i]. A row with its own torch.Generator (a
+seeded request) draws exactly `vocab` numbers from it per random step, in token-id order, and
+nothing else touches that generator, so its tokens do not depend on the other rows in the batch
+or on which code path the batch took. Greedy rows draw nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tessera.outputs import Logprob, TokenLogprobs
+from tessera.sampling import SamplingParams
+
+# top-p compares float32 cumulative sums with p; a prefix whose mass is within this of p counts
+# as reaching p, so rounding in the sum cannot pull one extra token into the nucleus.
+_TOP_P_TOLERANCE = 1e-6
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row of the batch
+    logprobs: list[TokenLogprobs | None]  # None for rows whose params.logprobs is None
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    repetition_penalty: torch.Tensor,
+    presence_penalty: torch.Tensor,
+    frequency_penalty: torch.Tensor,
+) -> torch.Tensor:
+    """Return a penalized copy of `logits` [R, V]; the penalties are per-row tensors [R].
+
+    Repetition (HF/vLLM): every token seen in the prompt or output has a positive logit divided
+    by the penalty and a negative one multiplied by it. Presence and frequency (OpenAI): subtract
+    `presence` once for every token in the output and `frequency` times its output count.
+    """
+    vocab = logits.shape[-1]
+    counts = _token_counts(output_token_ids, vocab, logits.device)
+    seen = (_token_counts(prompt_token_ids, vocab, logits.device) > 0) | (counts > 0)
+    scale = torch.where(seen, repetition_penalty[:, None], 1.0)
+    logits = torch.where(logits > 0, logits / scale, logits * scale)
+    return logits - frequency_penalty[:, None] * counts - presence_penalty[:, None] * (counts > 0)
+
+
+def _token_counts(token_ids: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """How often each token id occurs in each row: [R, V] float32."""
+    counts = torch.zeros(len(token_ids), vocab + 1, device=device)
+    width = max((len(ids) for ids in token_ids), default=0)
+    if width:
+        # Pad with the spare column `vocab`, which is dropped afterwards.
+        padded = torch.tensor(
+            [list(ids) + [vocab] * (width - len(ids)) for ids in token_ids], device=device
+        )
+        counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device))
+    return counts[:, :vocab]
+
+
+def filter_logits(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Set to -inf every token removed by top-k, then top-p, then min-p; per-row params [R].
+
+    top-k keeps exactly the k largest (int64, use k >= V for off); top-p keeps the smallest
+    prefix of the sorted, top-k-renormalized probabilities whose mass reaches p (1 = off);
+    min-p keeps tokens with prob >= min_p * max prob (0 = off). Ties are broken toward the lower
+    token id, so exactly k (or exactly the prefix) survive.
+    """
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    keep = torch.arange(vocab, device=logits.device)[None, :] < top_k[:, None]
+    probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    in_nucleus = (mass_before < top_p[:, None] - _TOP_P_TOLERANCE) | (top_p[:, None] >= 1.0)
+    in_nucleus[:, 0] = True  # the most likely token always survives, however small p is
+    keep &= in_nucleus
+    probs = probs.masked_fill(~keep, 0.0)
+    keep &= probs >= min_p[:, None] * probs[:, :1]  # sorted, so column 0 is the max
+    keep_by_token = torch.empty_like(keep).scatter_(1, order, keep)
+    return logits.masked_fill(~keep_by_token, float("-inf"))
+
+
+def exponential_race(
+    probs: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+    shared_generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Draw one token per row of `probs` [R, V] (need not be normalized): argmax(probs / E).
+
+    Rows with a generator draw their noise from it alone; the rest share `shared_generator`
+    (None = torch's default generator).
+    """
+    noise = torch.empty_like(probs)
+    seeded = [i for i, gen in enumerate(generators) if gen is not None]
+    if len(seeded) < len(generators):
+        noise.exponential_(generator=shared_generator)
+    for i in seeded:  # one generator per seeded row: this loop cannot be batched
+        noise[i].exponential_(generator=generators[i])
+    # exponential_ can return 0; 0/0 would be NaN, which argmax treats as the maximum.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+class Sampler:
+    """Samples one token for every row of a step's logits. Holds no per-request state."""
+
+    def __init__(
+        self, eos_token_ids: Iterable[int] = (), generator: torch.Generator | None = None
+    ) -> None:
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.generator = generator  # for rows without a seed; None = torch's default
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        output_token_ids: Sequence[Sequence[int]],
+        prompt_token_ids: Sequence[Sequence[int]],
+        generators: Sequence[torch.Generator | None],
+    ) -> SamplerOutput:
+        num_rows, vocab = logits.shape
+        if not len(params) == len(output_token_ids) == len(prompt_token_ids) == len(generators) == num_rows:
+            raise ValueError(
+                f"sample() needs one params/output/prompt/generator entry per logits row "
+                f"({num_rows}), got {len(params)}/{len(output_token_ids)}/"
+                f"{len(prompt_token_ids)}/{len(generators)}"
+            )
+        device = logits.device
+        logits = logits.float()  # never written in place below: it may be the caller's tensor
+
+        penalized = [i for i, p in enumerate(params) if p.uses_penalties]
+        if penalized:
+            rows = torch.tensor(penalized, device=device)
+            new_rows = apply_penalties(
+                logits[rows],
+                [prompt_token_ids[i] for i in penalized],
+                [output_token_ids[i] for i in penalized],
+                *(
+                    torch.tensor([getattr(params[i], name) for i in penalized], device=device)
+                    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")
+                ),
+            )
+            logits = logits.index_put((rows,), new_rows)
+        logits = self._mask_stop_tokens_before_min_tokens(logits, params, output_token_ids)
+
+        wants_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if wants_logprobs:
+            raw_logprobs = logits[torch.tensor(wants_logprobs, device=device)].log_softmax(-1)
+
+        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if not random_rows:
+            token_ids = logits.argmax(dim=-1)
+        elif len(random_rows) == num_rows:
+            token_ids = self._sample_random(logits, params, generators)
+        else:
+            rows = torch.tensor(random_rows, device=device)
+            sampled = self._sample_random(
+                logits[rows], [params[i] for i in random_rows], [generators[i] for i in random_rows]
+            )
+            token_ids = logits.argmax(dim=-1).index_put((rows,), sampled)
+
+        logprobs: list[TokenLogprobs | None] = [None] * num_rows
+        if wants_logprobs:
+            sampled = token_ids[torch.tensor(wants_logprobs, device=device)]
+            counts = [params[i].logprobs for i in wants_logprobs]
+            for i, entry in zip(wants_logprobs, _gather_logprobs(raw_logprobs, sampled, counts)):
+                logprobs[i] = entry
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+    def _mask_stop_tokens_before_min_tokens(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        output_token_ids: Sequence[Sequence[int]],
+    ) -> torch.Tensor:
+        rows: list[int] = []
+        cols: list[int] = []
+        vocab = logits.shape[-1]
+        for i, p in enumerate(params):
+            if len(output_token_ids[i]) >= p.min_tokens:
+                continue
+            # With ignore_eos, EOS does not end the sequence, so it need not be held back.
+            stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+            ids = [t for t in stop_ids if t < vocab]
+            rows += [i] * len(ids)
+            cols += ids
+        if not rows:
+            return logits
+        index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+        return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+
+    def _sample_random(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> torch.Tensor:
+        device, vocab = logits.device, logits.shape[-1]
+        temperature = torch.tensor([p.temperature for p in params], device=device)
+        logits = logits / temperature[:, None]
+        filtered = [
+            i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0
+        ]
+        if filtered:
+            rows = torch.tensor(filtered, device=device)
+            top_k = [params[i].top_k if params[i].top_k > 0 else vocab for i in filtered]
+            new_rows = filter_logits(
+                logits[rows],
+                torch.tensor(top_k, device=device),
+                torch.tensor([params[i].top_p for i in filtered], device=device),
+                torch.tensor([params[i].min_p for i in filtered], device=device),
+            )
+            logits = logits.index_put((rows,), new_rows)
+        return exponential_race(logits.softmax(dim=-1), generators, self.generator)
+
+
+def _gather_logprobs(
+    logprobs: torch.Tensor, sampled: torch.Tensor, num_top: list[int]
+) -> list[TokenLogprobs]:
+    """Per row: the sampled token's logprob and rank, then the row's top num_top[row] tokens."""
+    sampled_logprob = logprobs.gather(1, sampled[:, None]).squeeze(1)
+    sampled_rank = (logprobs > sampled_logprob[:, None]).sum(dim=-1) + 1
+    width = min(max(num_top), logprobs.shape[-1])
+    top_logprob, top_ids = logprobs.topk(width, dim=-1)
+    # Rank of each top entry = 1 + entries strictly above it; all of those are in the top too.
+    top_rank = (top_logprob[:, None, :] > top_logprob[:, :, None]).sum(dim=-1) + 1
+
+    sampled, sampled_logprob, sampled_rank = sampled.tolist(), sampled_logprob.tolist(), sampled_rank.tolist()
+    top_ids, top_logprob, top_rank = top_ids.tolist(), top_logprob.tolist(), top_rank.tolist()
+    entries = []
+    for row, n in enumerate(num_top):
+        entry = {sampled[row]: Logprob(sampled_logprob[row], sampled_rank[row])}
+        for j in range(min(n, width)):
+            entry.setdefault(top_ids[row][j], Logprob(top_logprob[row][j], top_rank[row][j]))
+        entries.append(entry)
+    return entries
