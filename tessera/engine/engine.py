@@ -72,7 +72,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        path = resolve_model_path(config.model)
+        self.model_path = path = resolve_model_path(config.model)
         files = load_model_files(path)
         self.model_config = mc = files.config
         self.dtype = resolve_dtype(config.dtype)
