@@ -19,7 +19,7 @@ or on which code path the batch took. Greedy rows draw nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -66,16 +66,12 @@ def _token_counts(token_ids: Sequence[Sequence[int]], vocab: int, device: torch.
     width = max((len(ids) for ids in token_ids), default=0)
     if width:
         # Pad with the spare column `vocab`, which is dropped afterwards.
-        padded = torch.tensor(
-            [list(ids) + [vocab] * (width - len(ids)) for ids in token_ids], device=device
-        )
+        padded = torch.tensor([list(ids) + [vocab] * (width - len(ids)) for ids in token_ids], device=device)
         counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device))
     return counts[:, :vocab]
 
 
-def filter_logits(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
-) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Set to -inf every token removed by top-k, then top-p, then min-p; per-row params [R].
 
     top-k keeps exactly the k largest (int64, use k >= V for off); top-p keeps the smallest
@@ -107,24 +103,31 @@ def exponential_race(
     Rows with a generator draw their noise from it alone; the rest share `shared_generator`
     (None = torch's default generator).
     """
-    noise = torch.empty_like(probs)
+    rows, vocab = probs.shape
     seeded = [i for i, gen in enumerate(generators) if gen is not None]
-    if len(seeded) < len(generators):
-        noise.exponential_(generator=shared_generator)
+    if len(seeded) < rows:
+        noise = _exponential_noise((rows, vocab), shared_generator, probs.device)
+    else:
+        noise = torch.empty_like(probs)
     for i in seeded:  # one generator per seeded row: this loop cannot be batched
-        noise[i].exponential_(generator=generators[i])
+        noise[i] = _exponential_noise((vocab,), generators[i], probs.device)
     # exponential_ can return 0; 0/0 would be NaN, which argmax treats as the maximum.
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     return (probs / noise).argmax(dim=-1)
 
 
+def _exponential_noise(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    if generator is None or generator.device == device:
+        return torch.empty(shape, device=device).exponential_(generator=generator)
+    # A generator on another device (a CPU one driving CUDA logits) draws there; the copy keeps
+    # a seed's tokens the same whichever device the logits live on.
+    return torch.empty(shape, device=generator.device).exponential_(generator=generator).to(device)
+
+
 class Sampler:
     """Samples one token for every row of a step's logits. Holds no per-request state."""
 
-    def __init__(
-        self, eos_token_ids: Iterable[int] = (), generator: torch.Generator | None = None
-    ) -> None:
-        self.eos_token_ids = frozenset(eos_token_ids)
+    def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator  # for rows without a seed; None = torch's default
 
     def sample(
@@ -134,7 +137,14 @@ class Sampler:
         output_token_ids: Sequence[Sequence[int]],
         prompt_token_ids: Sequence[Sequence[int]],
         generators: Sequence[torch.Generator | None],
+        eos_token_ids: Collection[int] = (),
     ) -> SamplerOutput:
+        """One token per row of `logits` [B, V]; every list argument has one entry per row.
+
+        `generators[i]` is row i's own generator (seeded requests) or None for the shared one.
+        `eos_token_ids` are held back, with each row's stop_token_ids, until the row has
+        min_tokens output tokens (unless its params say ignore_eos).
+        """
         num_rows, vocab = logits.shape
         if not len(params) == len(output_token_ids) == len(prompt_token_ids) == len(generators) == num_rows:
             raise ValueError(
@@ -158,7 +168,7 @@ class Sampler:
                 ),
             )
             logits = logits.index_put((rows,), new_rows)
-        logits = self._mask_stop_tokens_before_min_tokens(logits, params, output_token_ids)
+        logits = _mask_stop_tokens_before_min_tokens(logits, params, output_token_ids, set(eos_token_ids))
 
         wants_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         if wants_logprobs:
@@ -180,31 +190,9 @@ class Sampler:
         if wants_logprobs:
             sampled = token_ids[torch.tensor(wants_logprobs, device=device)]
             counts = [params[i].logprobs for i in wants_logprobs]
-            for i, entry in zip(wants_logprobs, _gather_logprobs(raw_logprobs, sampled, counts)):
+            for i, entry in zip(wants_logprobs, _gather_logprobs(raw_logprobs, sampled, counts), strict=True):
                 logprobs[i] = entry
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
-
-    def _mask_stop_tokens_before_min_tokens(
-        self,
-        logits: torch.Tensor,
-        params: Sequence[SamplingParams],
-        output_token_ids: Sequence[Sequence[int]],
-    ) -> torch.Tensor:
-        rows: list[int] = []
-        cols: list[int] = []
-        vocab = logits.shape[-1]
-        for i, p in enumerate(params):
-            if len(output_token_ids[i]) >= p.min_tokens:
-                continue
-            # With ignore_eos, EOS does not end the sequence, so it need not be held back.
-            stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
-            ids = [t for t in stop_ids if t < vocab]
-            rows += [i] * len(ids)
-            cols += ids
-        if not rows:
-            return logits
-        index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
-        return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
 
     def _sample_random(
         self,
@@ -215,9 +203,7 @@ class Sampler:
         device, vocab = logits.device, logits.shape[-1]
         temperature = torch.tensor([p.temperature for p in params], device=device)
         logits = logits / temperature[:, None]
-        filtered = [
-            i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0
-        ]
+        filtered = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0]
         if filtered:
             rows = torch.tensor(filtered, device=device)
             top_k = [params[i].top_k if params[i].top_k > 0 else vocab for i in filtered]
@@ -231,9 +217,30 @@ class Sampler:
         return exponential_race(logits.softmax(dim=-1), generators, self.generator)
 
 
-def _gather_logprobs(
-    logprobs: torch.Tensor, sampled: torch.Tensor, num_top: list[int]
-) -> list[TokenLogprobs]:
+def _mask_stop_tokens_before_min_tokens(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    output_token_ids: Sequence[Sequence[int]],
+    eos_token_ids: set[int],
+) -> torch.Tensor:
+    rows: list[int] = []
+    cols: list[int] = []
+    vocab = logits.shape[-1]
+    for i, p in enumerate(params):
+        if len(output_token_ids[i]) >= p.min_tokens:
+            continue
+        # With ignore_eos, EOS does not end the sequence, so it need not be held back.
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
+        ids = [t for t in stop_ids if t < vocab]
+        rows += [i] * len(ids)
+        cols += ids
+    if not rows:
+        return logits
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+    return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+
+
+def _gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
     """Per row: the sampled token's logprob and rank, then the row's top num_top[row] tokens."""
     sampled_logprob = logprobs.gather(1, sampled[:, None]).squeeze(1)
     sampled_rank = (logprobs > sampled_logprob[:, None]).sum(dim=-1) + 1
