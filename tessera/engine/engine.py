@@ -80,7 +80,7 @@ class LLMEngine:
         model = LlamaForCausalLM(mc, self.dtype)
         model.load_weights(files.weights())
         model.eval()
-        self.tokenizer = Tokenizer(path)
+        self.tokenizer = Tokenizer(path, mc)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         num_blocks = num_kv_blocks(config, mc, self.dtype, self.max_model_len)

@@ -29,10 +29,16 @@ class SequenceTextState:
 
     def append_token(self, token_id: int, eos_token_ids: set[int], max_model_len: int) -> SequenceStatus | None:
         """Record a sampled token; return the finished status if the sequence is done."""
+        self.seq.output_token_ids.append(token_id)
+        self.text += self.detokenizer.append([token_id])
+        status = self._check_finished(token_id, eos_token_ids, max_model_len)
+        if status is not None and not isinstance(self.stop_reason, str):
+            self.text += self.detokenizer.flush()  # release an incomplete character at the very end
+        return status
+
+    def _check_finished(self, token_id: int, eos_token_ids: set[int], max_model_len: int) -> SequenceStatus | None:
         seq = self.seq
         params = seq.sampling_params
-        seq.output_token_ids.append(token_id)
-        self.text += self.detokenizer.append([token_id])
         num_out = seq.num_output_tokens
         past_min = num_out >= params.min_tokens
         if past_min and not params.ignore_eos and token_id in eos_token_ids:
