@@ -1,0 +1,151 @@
+"""Building blocks of a Llama-family decoder: RMSNorm, rotary position embedding, SwiGLU MLP.
+
+Each block computes exactly what Hugging Face transformers computes (same rounding points in
+bf16), so parity tests can compare logits to 1e-4 in float32. Weights are plain parameters
+filled by `LlamaForCausalLM.load_weights`; nothing here is randomly initialised.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with an optional fused residual add.
+
+    `forward(x)` returns the normed x. `forward(x, residual)` first adds (x + residual, in the
+    model dtype, as HF does) and returns `(normed, new_residual)`, saving one pass per layer.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = _empty_param(hidden_size, dtype=dtype, device=device)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
+        # HF normalises in fp32, rounds to the model dtype, then scales by the weight.
+        normed = F.rms_norm(x.float(), (self.hidden_size,), None, self.eps).to(x.dtype)
+        return normed * self.weight
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+
+_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float, rope_scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] (float32) for the rope types HF calls default, linear
+    and llama3; anything else (dynamic NTK, yarn, longrope) is refused with a clear error."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not rope_scaling:
+        return inv_freq
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(rope_scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(rope_scaling["factor"])
+        low_freq_factor = float(rope_scaling["low_freq_factor"])
+        high_freq_factor = float(rope_scaling["high_freq_factor"])
+        old_context_len = float(rope_scaling["original_max_position_embeddings"])
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise NotImplementedError(
+        f"rope_scaling type {rope_type!r} is not supported (supported: {', '.join(_ROPE_TYPES)}); "
+        "remove rope_scaling from the model's config.json or pick another model"
+    )
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate-half) rotary embedding with a cos/sin table indexed by position.
+
+    The table is float32 and grows on demand, so positions past max_position_embeddings work.
+    `cos_sin(positions, dtype)` is computed once per forward and shared by every layer.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        rope_theta: float,
+        rope_scaling: dict | None,
+        max_position_embeddings: int,
+        device: torch.device | str = "cpu",
+    ):
+        super().__init__()
+        self.head_dim = head_dim
+        self.register_buffer(
+            "inv_freq", rope_inverse_frequencies(head_dim, rope_theta, rope_scaling).to(device), persistent=False
+        )
+        self._cos = torch.empty(0, head_dim // 2, device=device)
+        self._sin = torch.empty(0, head_dim // 2, device=device)
+        self._grow(max_position_embeddings)
+
+    def _grow(self, num_positions: int) -> None:
+        t = torch.arange(num_positions, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = torch.outer(t, self.inv_freq)  # same values as HF's inv_freq @ positions in fp32
+        self._cos, self._sin = freqs.cos(), freqs.sin()
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of each token's position: [T, 1, head_dim // 2] in `dtype`."""
+        if positions.numel() and int(positions.max()) >= self._cos.shape[0]:
+            self._grow(max(int(positions.max()) + 1, 2 * self._cos.shape[0]))
+        cos = self._cos.index_select(0, positions).unsqueeze(1)
+        sin = self._sin.index_select(0, positions).unsqueeze(1)
+        return cos.to(dtype), sin.to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, n_heads, head_dim] (may be a strided view) by cos/sin [T, 1, head_dim // 2].
+
+    Equals HF's `x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)`; returns a new
+    contiguous tensor.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=o1)
+    o1.addcmul_(x2, sin, value=-1.0)
+    torch.mul(x2, cos, out=o2)
+    o2.addcmul_(x1, sin)
+    return out
+
+
+class SwiGLUMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one [2 * intermediate, hidden] weight."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = _empty_param(2 * intermediate_size, hidden_size, dtype=dtype, device=device)
+        self.down_proj = _empty_param(hidden_size, intermediate_size, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(x, self.gate_up_proj)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj)
