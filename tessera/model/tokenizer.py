@@ -28,7 +28,7 @@ class Tokenizer:
             path = ggufs[0]
         logger.info("loading tokenizer from %s", path)
         if path.is_file():
-            self.hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            self.hf = _load_gguf_tokenizer(path)
         else:
             self.hf = AutoTokenizer.from_pretrained(path)
         self.path = path
@@ -69,6 +69,31 @@ class Tokenizer:
                 f"formatted; send a plain prompt (the completions API) instead"
             )
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _load_gguf_tokenizer(path: Path):
+    """transformers converts a GGUF vocabulary to a fast tokenizer in tens of seconds; keep the
+    converted tokenizer beside the model cache, keyed by the file's size and mtime, and load that
+    (well under a second) from then on."""
+    from transformers import AutoTokenizer
+
+    from tessera.model.download import cache_dir
+
+    st = path.stat()
+    converted = cache_dir() / "tokenizers" / f"{path.stem}-{st.st_size}-{int(st.st_mtime)}"
+    if (converted / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(converted)
+        except (OSError, ValueError) as e:  # a damaged cache entry: convert again
+            logger.warning("ignoring the cached tokenizer at %s: %s", converted, e)
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    try:
+        tmp = converted.with_name(converted.name + f".tmp{os.getpid()}")
+        tok.save_pretrained(tmp)
+        os.replace(tmp, converted)
+    except OSError as e:  # a read-only cache only costs time
+        logger.warning("could not cache the converted tokenizer at %s: %s", converted, e)
+    return tok
 
 
 class IncrementalDetokenizer:

@@ -76,9 +76,14 @@ def test_special_ids(tiny_model_dir, tokenizer, reference):
     assert tokenizer.bos_token_id == reference.bos_token_id
 
 
-def test_gguf_tokenizer_matches_hf_folder(tiny_model_dir, tokenizer, tmp_path):
+@pytest.mark.parametrize("load", ["converted", "from cache"])
+def test_gguf_tokenizer_matches_hf_folder(tiny_model_dir, tokenizer, tmp_path, monkeypatch, load):
+    monkeypatch.setenv("TESSERA_CACHE", str(tmp_path / "cache"))
     path = write_gguf_from_hf_dir(tiny_model_dir, tmp_path / "tiny.gguf")
     from_gguf = Tokenizer(path, load_model_files(path).config)
+    assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 1  # the conversion was cached
+    if load == "from cache":
+        from_gguf = Tokenizer(path, load_model_files(path).config)
     for text in TEXTS:
         assert from_gguf.encode(text, add_special_tokens=False) == tokenizer.encode(text, add_special_tokens=False)
         ids = tokenizer.encode(text)
