@@ -1,0 +1,77 @@
+"""`tessera serve`: its flags (shaped like `vllm serve`) and the function that runs the server.
+
+SIGTERM or Ctrl-C stops the server gracefully: uvicorn stops accepting connections, in-flight
+requests get `--shutdown-timeout` seconds to finish, the rest are cancelled (which aborts them in
+the engine), then the engine thread is stopped and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+
+from tessera.config import DEFAULT_MODEL, EngineConfig
+from tessera.engine_args import add_engine_arguments, engine_kwargs
+
+logger = logging.getLogger("tessera.server")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                        help=f"HF folder, .gguf file, or the default model's name (default: {DEFAULT_MODEL})")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer <key>' on /v1/* (default: $TESSERA_API_KEY, else none)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients send and /v1/models lists (default: the model argument)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+    parser.add_argument("--no-access-log", dest="access_log", action="store_false",
+                        help="no uvicorn line per HTTP request (the per-request timing line stays)")
+    parser.add_argument("--shutdown-timeout", type=float, default=10.0,
+                        help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    add_engine_arguments(parser)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(model=args.model, **engine_kwargs(args))
+
+
+def run_server(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tessera.server.app import create_app
+
+    api_key = args.api_key or os.environ.get("TESSERA_API_KEY") or None
+    app = create_app(engine_config_from_args(args), served_model_name=args.served_model_name, api_key=api_key)
+    logger.info("serving %r on http://%s:%d%s", app.state.served_model_name, args.host, args.port,
+                " (API key required)" if api_key else "")
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=args.access_log,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        timeout_keep_alive=5,
+    )
+    server = uvicorn.Server(config)
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn handles SIGTERM/SIGINT itself while it runs, then restores the previous handlers
+        # and re-raises the signal; with the default handler that would kill us after a clean
+        # shutdown. A no-op handler here makes the re-raised signal harmless, so we exit 0.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _after_shutdown_signal)
+    try:
+        server.run()  # returns after the graceful shutdown
+    finally:
+        app.state.engine.shutdown()  # a no-op when the lifespan already did it
+    logger.info("server stopped")
+    return 0 if server.started else 1
+
+
+def _after_shutdown_signal(signum: int, frame) -> None:
+    logger.info("received %s after the server stopped; exiting", signal.Signals(signum).name)
