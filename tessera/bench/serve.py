@@ -225,7 +225,8 @@ def print_report(summary: dict) -> None:
     print(f"\n  {'ms':<6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
     for key in ("ttft", "tpot", "itl", "e2e"):
         row = summary[f"{key}_ms"]
-        cells = "".join(f"{row[p]:10.1f}" if row[p] is not None else f"{'-':>10}" for p in ("mean", "p50", "p90", "p99"))
+        cells = "".join(f"{row[p]:10.1f}" if row[p] is not None else f"{'-':>10}"
+                        for p in ("mean", "p50", "p90", "p99"))
         print(f"  {key.upper():<6}{cells}")
     for err, count in summary["errors"].items():
         print(f"  failed x{count}: {err}")

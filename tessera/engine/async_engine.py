@@ -135,6 +135,10 @@ class AsyncLLMEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def model_config(self):
+        return self.engine.model_config
+
     def stats(self) -> EngineStats:
         """The engine's stats as of the end of its last step (a snapshot; safe from any thread)."""
         return self._stats
@@ -271,7 +275,8 @@ class AsyncLLMEngine:
             # Aborted (or cancelled) while queued: never reaches the engine.
             wanted = self._streams.get(add.request_id) is add.stream
         if not wanted:
-            _call_soon(add.stream.loop, _resolve, add.accepted, RequestAbortedError(f"request {add.request_id} was aborted"))
+            aborted = RequestAbortedError(f"request {add.request_id} was aborted")
+            _call_soon(add.stream.loop, _resolve, add.accepted, aborted)
             return
         try:
             self.engine.add_request(add.request_id, add.prompt, add.params, arrival_time=add.arrival_time)

@@ -373,7 +373,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, rou
 
 
 def test_malformed_json_unknown_route_and_openai_client_errors(server):
-    r = httpx.post(server.base_url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    r = httpx.post(server.base_url + "/v1/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.get(server.base_url + "/v1/nothing-here")
     assert r.status_code == 404 and "error" in r.json()
@@ -418,9 +419,9 @@ def test_api_key_and_engine_failure(tiny_model_dir):
 
 
 def test_streamed_error_is_reported_in_band():
-    from tessera.server.app import _sse_error
+    from tessera.server.formatting import sse_error
 
-    payload = json.loads(_sse_error(RuntimeError("boom")).removeprefix("data: "))
+    payload = json.loads(sse_error(RuntimeError("boom")).removeprefix("data: "))
     assert payload["error"]["message"] == "boom" and payload["error"]["type"] == "internal_server_error"
 
 
