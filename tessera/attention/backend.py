@@ -8,6 +8,7 @@ else (projections, rotary, the batch layout) belongs to the model and the model 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from abc import ABC, abstractmethod
 
 import torch
@@ -63,6 +64,7 @@ class AttentionBackend(ABC):
 # nothing unless chosen.
 _BACKENDS: dict[str, str] = {
     "torch": "tessera.attention.torch_cpu:TorchCPUAttention",
+    "triton": "tessera.attention.triton_gpu:TritonAttention",
 }
 
 
@@ -77,10 +79,11 @@ def available_attention_backends() -> list[str]:
 
 def get_attention_backend(name: str = "auto", device: str | torch.device = "cpu") -> AttentionBackend:
     """Instantiate the backend called `name`; "auto" picks the best one for `device`
-    (torch on CPU; triton on CUDA once registered, else torch)."""
+    (torch on CPU; triton on CUDA when the triton package is installed, else torch)."""
     if name == "auto":
         is_cuda = torch.device(device).type == "cuda"
-        name = "triton" if is_cuda and "triton" in _BACKENDS else "torch"
+        has_triton = "triton" in _BACKENDS and importlib.util.find_spec("triton") is not None
+        name = "triton" if is_cuda and has_triton else "torch"
     if name not in _BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}; choose one of {', '.join(available_attention_backends())}"
