@@ -89,7 +89,7 @@ class SequenceTextState:
         self.emitted_tokens = len(tokens)
         logprobs = delta_logprobs = None
         if with_logprobs:
-            logprobs = seq.output_logprobs
+            logprobs = list(seq.output_logprobs)  # a snapshot: the engine thread keeps appending
             delta_logprobs = logprobs[self.emitted_logprobs :]
             self.emitted_logprobs = len(logprobs)
         return CompletionOutput(
