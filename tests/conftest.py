@@ -44,6 +44,17 @@ def default_model_path() -> Path:
     return resolve_model_path(DEFAULT_MODEL)
 
 
+@pytest.fixture(scope="session")
+def hf_default_model(default_model_path):
+    """transformers' own load of the default GGUF file, in float32: the reference model. Loading
+    it takes tens of seconds, so every integration test shares this one."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
 def pytest_collection_modifyitems(items) -> None:
     for item in items:
         if "default_model_path" in getattr(item, "fixturenames", ()):

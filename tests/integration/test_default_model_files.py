@@ -30,10 +30,9 @@ def test_default_model_is_cached(default_model_path, monkeypatch):
     assert download.resolve_model_path(DEFAULT_MODEL) == default_model_path
 
 
-def test_default_gguf_matches_transformers(default_model_path):
+def test_default_gguf_matches_transformers(default_model_path, hf_default_model):
     files = load_model_files(default_model_path)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.float32)
+    ref = hf_default_model
     c, r = files.config, ref.config
     assert (c.architecture, c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers) == (
         "llama", r.vocab_size, r.hidden_size, r.intermediate_size, r.num_hidden_layers)

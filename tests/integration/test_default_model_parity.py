@@ -24,11 +24,8 @@ def llm(default_model_path):
 
 
 @pytest.fixture(scope="module")
-def hf_model(default_model_path):
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+def hf_model(hf_default_model):
+    return hf_default_model
 
 
 def test_prompt_logits_match_transformers(llm, hf_model):
