@@ -7,7 +7,7 @@ import torch
 
 from tessera import LLM, SamplingParams
 from tessera.attention.metadata import single_sequence_metadata
-from tests.unit.test_engine import hf_greedy
+from tests.reference import hf_greedy
 
 PROMPTS = [
     "The history of the Roman Empire begins with",
