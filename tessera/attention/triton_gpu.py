@@ -32,7 +32,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError(
         "the triton attention backend needs the triton package: pip install 'tessera[gpu]' "
-        "(or choose --attention-backend torch)"
+        "(or use the torch attention backend)"
     ) from exc
 
 LOG2E = 1.4426950408889634
@@ -41,7 +41,7 @@ LOG2E = 1.4426950408889634
 @dataclass(frozen=True)
 class TritonAttentionConfig:
     """Tile sizes and launch settings; the defaults are starting points for Hopper-class GPUs
-    (benchmarks/gpu/bench_attention.py sweeps the decode ones)."""
+    (benchmarks/gpu/bench_attention.py sweeps a few of each)."""
 
     decode_block_n: int = 64  # context positions per inner-loop tile
     decode_num_warps: int = 4
@@ -63,6 +63,7 @@ class _StepPlan:
     num_heads: int
     num_kv_heads: int
     covers_all_tokens: bool
+    slot_mapping: torch.Tensor  # [T] long, on the device (the runner may build it on the host)
     # Decodes.
     decode_slots: torch.Tensor | None  # [B, max_context] long, contiguous
     decode_lens: torch.Tensor | None  # [B] int32
@@ -167,6 +168,7 @@ def _build_plan(metadata: AttentionMetadata, num_heads: int, num_kv_heads: int, 
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         covers_all_tokens=covered == metadata.num_tokens,
+        slot_mapping=metadata.slot_mapping.to(device=device, dtype=torch.long),
         decode_slots=decode_slots,
         decode_lens=decode_lens,
         num_splits=num_splits,
@@ -223,7 +225,7 @@ class TritonAttention(AttentionBackend):
         if q.device.type != "cuda" and not kernels_interpreted():
             raise RuntimeError(
                 f"the triton attention backend needs CUDA tensors, got {q.device}: use "
-                "--attention-backend torch on CPU (or set TRITON_INTERPRET=1 before triton is first "
+                "the torch attention backend on CPU (or set TRITON_INTERPRET=1 before triton is first "
                 "imported to run the kernels in the slow interpreter, as the tests do)"
             )
         if num_heads % num_kv_heads:
@@ -234,13 +236,13 @@ class TritonAttention(AttentionBackend):
         cfg = self.config
         block_d = _next_pow2(head_dim)
 
+        plan = self._plan_for(metadata, num_heads, num_kv_heads, q.device)
         if num_tokens:
             kernels.write_kv_cache_kernel[(num_tokens,)](
-                k, v, k_cache, v_cache, metadata.slot_mapping,
+                k, v, k_cache, v_cache, plan.slot_mapping,
                 k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
                 NUM_KV_HEADS=num_kv_heads, BLOCK_H=_next_pow2(num_kv_heads), HEAD_DIM=head_dim, BLOCK_D=block_d,
             )
-        plan = self._plan_for(metadata, num_heads, num_kv_heads, q.device)
         alloc = torch.empty if plan.covers_all_tokens else torch.zeros
         out = alloc(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
         group = num_heads // num_kv_heads
