@@ -98,6 +98,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     seed: int = 0
     device: str = "cpu"
+    attention_backend: str = "auto"  # see tessera.attention.backend: auto | torch | triton
     num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
     extra: dict = field(default_factory=dict)
 

@@ -25,6 +25,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--attention-backend", default="auto", help="auto | torch | triton (auto: triton on CUDA, torch on CPU)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -38,4 +39,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         num_threads=args.num_threads,
+        attention_backend=args.attention_backend,
     )

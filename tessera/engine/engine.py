@@ -77,7 +77,7 @@ class LLMEngine:
         self.model_config = mc = files.config
         self.dtype = resolve_dtype(config.dtype)
         t0 = time.perf_counter()
-        model = LlamaForCausalLM(mc, self.dtype)
+        model = LlamaForCausalLM(mc, self.dtype, device=config.device, attn_backend=config.attention_backend)
         model.load_weights(files.weights())
         model.eval()
         self.tokenizer = Tokenizer(path, mc)
