@@ -80,8 +80,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
                 fail(name, "in [-2, 2]")
-        if self.seed is not None and not _is_int(self.seed):
-            fail("seed", "an integer or None")
+        # torch generators take 64-bit seeds; a larger one would fail inside the engine.
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
+            fail("seed", "an integer in [-2**63, 2**63) or None")
         if not all(isinstance(s, str) and s for s in self.stop):
             fail("stop", "a non-empty string or a list of non-empty strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):

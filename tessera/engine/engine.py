@@ -120,12 +120,17 @@ class LLMEngine:
                               arrival_time if arrival_time is not None else time.monotonic())
         seqs = [Sequence(request_id, prompt_ids, params, index=i, arrival_time=state.metrics.arrival_time)
                 for i in range(params.n)]
-        for seq in seqs:
+        # Everything that can fail happens before the scheduler holds a sequence: a sequence queued
+        # without its request state would crash the next step.
+        generators = {}
+        if params.seed is not None:
+            # Each of the n samples gets its own stream; the same seed repeats the same outputs.
+            generators = {seq.seq_id: torch.Generator().manual_seed(params.seed + 1_000_003 * seq.index)
+                          for seq in seqs}
+        for seq in seqs:  # the n share prompt and params: all fit the KV pool, or the first raises
             self.scheduler.add(seq)  # raises ValueError if it can never fit the KV pool
             state.texts.append(SequenceTextState(seq, self.tokenizer))
-            if params.seed is not None:
-                # Each of the n samples gets its own stream; the same seed repeats the same outputs.
-                self._generators[seq.seq_id] = torch.Generator().manual_seed(params.seed + 1_000_003 * seq.index)
+        self._generators.update(generators)
         self._requests[request_id] = state
         self._prompt_tokens_total += len(prompt_ids)
 

@@ -5,40 +5,50 @@ GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /metrics. Han
 serving.py; what one HTTP request does to the engine lives in request_group.py.
 
 Authentication (`--api-key` / TESSERA_API_KEY) covers /v1/* and the tokenize endpoints;
-/health and /metrics stay open for probes and scrapers, as in vLLM.
+/health and /metrics stay open for probes and scrapers, as in vLLM. Limits and admission control
+live in admission.py; CORS is off unless origins are given (`--allowed-origins`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
 from tessera.config import EngineConfig
 from tessera.engine.async_engine import AsyncLLMEngine
+from tessera.server.admission import AdmissionCollector, AdmissionController, RequestBodyGuard, ServerLimits
 from tessera.server.errors import APIError, error_response, install_error_handlers
 from tessera.server.metrics import ServerMetrics
 from tessera.server.request_group import ClientDisconnected
 from tessera.server.serving import OpenAIServer
 
 
-def create_app(config: EngineConfig, served_model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+def create_app(config: EngineConfig, served_model_name: str | None = None, api_key: str | None = None,
+               limits: ServerLimits | None = None, allowed_origins: list[str] | None = None) -> FastAPI:
     """Load the engine for `config` (seconds) and build the app around it; the app owns the engine."""
     name = served_model_name or config.model
     metrics = ServerMetrics(name)
     engine = AsyncLLMEngine.from_config(config, observer=metrics)
-    return build_app(engine, metrics, served_model_name=name, api_key=api_key, model_root=config.model)
+    return build_app(engine, metrics, served_model_name=name, api_key=api_key, model_root=config.model,
+                     limits=limits, allowed_origins=allowed_origins)
 
 
 def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, *, served_model_name: str,
-              api_key: str | None = None, model_root: str | None = None, owns_engine: bool = True) -> FastAPI:
+              api_key: str | None = None, model_root: str | None = None, owns_engine: bool = True,
+              limits: ServerLimits | None = None, allowed_origins: list[str] | None = None) -> FastAPI:
     """The app over a running AsyncLLMEngine (whose observer should be `metrics`); when the app
     owns the engine, its shutdown stops the engine thread."""
     metrics.bind_stats(engine.stats)
-    server = OpenAIServer(engine, served_model_name, model_root)
+    limits = limits or ServerLimits()
+    admission = AdmissionController(limits, engine.engine.scheduler.max_num_seqs)
+    metrics.registry.register(AdmissionCollector(admission, served_model_name))
+    server = OpenAIServer(engine, served_model_name, model_root, limits, admission)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -50,7 +60,12 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, *, served_model_na
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.served_model_name = served_model_name
+    app.state.admission = admission
     install_error_handlers(app)
+    app.add_middleware(RequestBodyGuard, max_body_bytes=limits.max_body_bytes)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
 
     @app.exception_handler(ClientDisconnected)
     async def _client_gone(request: Request, exc: ClientDisconnected) -> Response:
@@ -79,12 +94,14 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, *, served_model_na
 
 
 def _api_key_check(api_key: str):
-    expected = api_key.encode()
+    expected = hashlib.sha256(api_key.encode()).digest()
 
     async def check_api_key(request: Request) -> None:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        # compare_digest: the time taken must not reveal how much of the key was right.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+        # compare_digest over digests: the time taken reveals neither how much of the key was
+        # right nor its length.
+        offered = hashlib.sha256(token.strip().encode()).digest()
+        if not hmac.compare_digest(offered, expected) or scheme.lower() != "bearer":
             raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>' with the key "
                                 "the server was started with (--api-key / TESSERA_API_KEY)",
                            code="invalid_api_key")

@@ -23,7 +23,9 @@ _TYPE_BY_STATUS = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable",
 }
@@ -40,8 +42,9 @@ class APIError(Exception):
     """An error to send to the client as is."""
 
     def __init__(self, status_code: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None) -> None:
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        self.headers = headers  # e.g. Retry-After on a 503
         self.status_code = status_code
         self.message = message
         self.param = param
@@ -57,9 +60,18 @@ def invalid_param(exc: ValueError, default_param: str | None = None) -> APIError
     return APIError(400, message, param=param, code="invalid_value")
 
 
+def _is_type_tag(part) -> bool:
+    """Whether a pydantic error location part names a union member's type, not a field."""
+    if not isinstance(part, str):
+        return False  # a list index
+    return part in ("str", "int", "float", "bool", "bytes", "none") or not part.replace("_", "a").isalnum() \
+        or not part[:1].islower()
+
+
 def error_response(exc: APIError) -> JSONResponse:
     body = ErrorResponse(error=ErrorInfo(message=exc.message, type=exc.type, param=exc.param, code=exc.code))
-    headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else {}
+    headers.update(exc.headers or {})
     return JSONResponse(body.model_dump(), status_code=exc.status_code, headers=headers)
 
 
@@ -70,15 +82,18 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        parts = []
-        param = None
-        for err in errors[:3]:
-            loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-            where = ".".join(loc) or "body"
-            param = param or (where if loc else None)
-            parts.append(f"{where}: {err.get('msg', 'invalid')}")
-        more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+        # One entry per field: a union field (prompt: str | list[str] | ...) fails once per member,
+        # under locations tagged with the member's type, which are no field names.
+        by_field: dict[str, list[str]] = {}
+        for err in exc.errors():
+            loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _is_type_tag(x)]
+            msgs = by_field.setdefault(".".join(loc), [])
+            if err.get("msg", "invalid") not in msgs:
+                msgs.append(err.get("msg", "invalid"))
+        fields = list(by_field.items())
+        parts = [f"{where or 'body'}: {' | '.join(msgs)}" for where, msgs in fields[:3]]
+        more = f" (and {len(fields) - 3} more)" if len(fields) > 3 else ""
+        param = next((where for where, _ in fields if where), None)
         return error_response(APIError(400, "invalid request: " + "; ".join(parts) + more, param=param,
                                        code="invalid_request"))
 

@@ -119,7 +119,8 @@ def sse_error(exc: Exception) -> str:
     if isinstance(exc, APIError):
         info = ErrorInfo(message=exc.message, type=exc.type, param=exc.param, code=exc.code)
     else:
-        status = 503 if isinstance(exc, EngineDeadError) else 500
+        # A shutdown ends streams with a plain EngineDeadError (503); a crash chains its cause (500).
+        status = 503 if isinstance(exc, EngineDeadError) and exc.__cause__ is None else 500
         logger.warning("stream ended by %r", exc)
         info = ErrorInfo(message=str(exc) or repr(exc),
                          type="service_unavailable" if status == 503 else "internal_server_error")

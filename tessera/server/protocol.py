@@ -52,6 +52,8 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Seconds from arrival after which the request is aborted (capped by --request-timeout).
+    timeout: float | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Build SamplingParams; raises ValueError naming the field when a value is out of range."""

@@ -4,19 +4,26 @@ A completions body with several prompts becomes one engine request per prompt. T
 at once (so the engine thread admits them in the same step), their outputs are merged as they
 arrive, and whoever stops reading early (a disconnected client, an error, a cancelled handler)
 aborts every one that is still running, which frees its KV blocks before the next step.
+
+A group may carry an admission Ticket (given back when the group ends, however it ends) and a
+timeout: at the deadline every unfinished request is aborted; a stream then ends its choices with
+finish_reason "abort", a non-streamed request gets a 408.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 
 from tessera.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestAbortedError, RequestStream
-from tessera.outputs import RequestOutput
+from tessera.outputs import CompletionOutput, RequestOutput
 from tessera.sampling import SamplingParams
+from tessera.server.admission import Ticket
 from tessera.server.errors import APIError, invalid_param
 
 logger = logging.getLogger("tessera.server")
@@ -27,36 +34,100 @@ class ClientDisconnected(Exception):
 
 
 class RequestGroup:
-    def __init__(self, engine: AsyncLLMEngine, streams: list[RequestStream]) -> None:
+    def __init__(self, engine: AsyncLLMEngine, streams: list[RequestStream], prompts: list[list[int]],
+                 params: SamplingParams, ticket: Ticket | None = None, timeout: float | None = None,
+                 arrival_time: float | None = None) -> None:
         self.engine = engine
         self.streams = streams
+        self.prompts = prompts
+        self.n = params.n
+        self.ticket = ticket
+        self.timeout = timeout
+        self.timed_out = False
+        self._last: dict[int, RequestOutput] = {}  # prompt index -> latest output
+        self._timer: asyncio.TimerHandle | None = None
+        if timeout is not None:
+            start = arrival_time if arrival_time is not None else time.monotonic()
+            self._timer = asyncio.get_running_loop().call_later(max(0.0, start + timeout - time.monotonic()),
+                                                                self._expire)
 
     @classmethod
     async def add(cls, engine: AsyncLLMEngine, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                  arrival_time: float) -> RequestGroup:
+                  arrival_time: float, ticket: Ticket | None = None, timeout: float | None = None) -> RequestGroup:
         """Queue one engine request per prompt; a refused prompt aborts the rest and raises an APIError."""
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        results = await asyncio.gather(
-            *(engine.add_request(rid, p, params, arrival_time) for rid, p in zip(ids, prompts, strict=True)),
-            return_exceptions=True,
-        )
+        try:
+            results = await asyncio.gather(
+                *(engine.add_request(rid, p, params, arrival_time) for rid, p in zip(ids, prompts, strict=True)),
+                return_exceptions=True,
+            )
+        except BaseException:  # cancelled while queueing: add_request aborted its own
+            if ticket is not None:
+                ticket.release()
+            raise
         errors = [r for r in results if isinstance(r, BaseException)]
         if not errors:
-            return cls(engine, list(results))
+            return cls(engine, list(results), prompts, params, ticket, timeout, arrival_time)
         engine.abort(ids)
+        if ticket is not None:
+            ticket.release()
         raise _api_error(errors[0])
 
     def abort_unfinished(self) -> None:
+        """Abort whatever still runs and give the admission ticket back: the group is over."""
         unfinished = [s.request_id for s in self.streams if not s.finished]
         if unfinished:
             self.engine.abort(unfinished)
+        if self._timer is not None:
+            self._timer.cancel()
+        if self.ticket is not None:
+            self.ticket.release()
+
+    def _expire(self) -> None:
+        unfinished = [s.request_id for s in self.streams if not s.finished]
+        if not unfinished:
+            return
+        self.timed_out = True
+        logger.info("timeout after %gs; aborting %s", self.timeout, ", ".join(unfinished))
+        if self.ticket is not None:
+            self.ticket.timed_out()
+        self.engine.abort(unfinished)
+
+    def _seen(self, i: int, out: RequestOutput) -> None:
+        if i not in self._last and self.ticket is not None:
+            self.ticket.started(i)
+        self._last[i] = out
+
+    def _timed_out_output(self, i: int) -> RequestOutput:
+        """Prompt i's last output with every unfinished choice ended as "abort" (no new tokens)."""
+        last = self._last.get(i)
+        old = {c.index: c for c in last.outputs} if last is not None else {}
+        outputs = []
+        for j in range(self.n):
+            c = old.get(j)
+            if c is not None and c.finish_reason is not None:
+                outputs.append(dataclasses.replace(c, delta_text="", delta_token_ids=[], delta_logprobs=[]))
+            elif c is not None:
+                outputs.append(dataclasses.replace(c, finish_reason="abort", delta_text="", delta_token_ids=[],
+                                                   delta_logprobs=[]))
+            else:
+                outputs.append(CompletionOutput(index=j, text="", token_ids=[], finish_reason="abort",
+                                                delta_logprobs=[]))
+        return RequestOutput(request_id=self.streams[i].request_id, prompt=None, prompt_token_ids=self.prompts[i],
+                             outputs=outputs, finished=True, metrics=last.metrics if last is not None else None)
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) pairs as they arrive; leaving early aborts whatever still runs."""
         if len(self.streams) == 1:
             try:
-                async for out in self.streams[0]:
-                    yield 0, out
+                try:
+                    async for out in self.streams[0]:
+                        self._seen(0, out)
+                        yield 0, out
+                except RequestAbortedError:
+                    if not self.timed_out:
+                        raise
+                    yield 0, self._timed_out_output(0)
             finally:
                 self.abort_unfinished()
             return
@@ -65,7 +136,10 @@ class RequestGroup:
         async def pump(i: int, stream: RequestStream) -> None:
             try:
                 async for out in stream:
+                    self._seen(i, out)
                     queue.put_nowait((i, out))
+            except RequestAbortedError as exc:
+                queue.put_nowait((i, self._timed_out_output(i) if self.timed_out else exc))
             except Exception as exc:
                 queue.put_nowait((i, exc))
             queue.put_nowait((i, None))
@@ -101,9 +175,14 @@ class RequestGroup:
             await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if work.done():
                 try:
-                    return work.result()
+                    finals = work.result()
                 except (EngineDeadError, RequestAbortedError) as exc:
-                    raise _api_error(exc) from None
+                    raise _api_error(exc, in_flight=True) from None
+                if self.timed_out:
+                    raise APIError(408, f"the request did not finish within its timeout of {self.timeout:g} s "
+                                        f"(the request's `timeout` field, capped by --request-timeout) and was "
+                                        f"aborted", param="timeout", code="request_timeout")
+                return finals
             logger.info("client disconnected; aborting %s", ", ".join(s.request_id for s in self.streams))
             raise ClientDisconnected()
         finally:
@@ -113,9 +192,13 @@ class RequestGroup:
             self.abort_unfinished()
 
 
-def _api_error(exc: BaseException) -> BaseException:
+def _api_error(exc: BaseException, in_flight: bool = False) -> BaseException:
     if isinstance(exc, ValueError):
         return invalid_param(exc, "prompt")
+    if in_flight and isinstance(exc, EngineDeadError) and exc.__cause__ is not None:
+        # The engine crashed under this request: a server error; later requests get 503s.
+        return APIError(500, f"{exc} (while serving this request); /health reports the engine down",
+                        code="engine_failed")
     if isinstance(exc, (EngineDeadError, RequestAbortedError)):
         return APIError(503, str(exc))
     return exc

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from tessera.engine.async_engine import AsyncLLMEngine
 from tessera.outputs import RequestOutput
 from tessera.sampling import SamplingParams
+from tessera.server.admission import AdmissionController, ServerLimits, check_request_limits
 from tessera.server.errors import APIError, invalid_param
 from tessera.server.formatting import (
     SSE_DONE,
@@ -56,12 +57,15 @@ from tessera.server.request_group import RequestGroup
 class OpenAIServer:
     """The route handlers; one instance per app."""
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_name: str, model_root: str | None) -> None:
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str, model_root: str | None,
+                 limits: ServerLimits | None = None, admission: AdmissionController | None = None) -> None:
         self.engine = engine
         self.model_name = served_model_name
         self.model_root = model_root
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.limits = limits or ServerLimits()
+        self.admission = admission or AdmissionController(self.limits, engine.engine.scheduler.max_num_seqs)
 
     # ---- simple routes ------------------------------------------------------------------------
 
@@ -96,11 +100,15 @@ class OpenAIServer:
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         params = self._sampling_params(body, body.max_tokens, body.logprobs)
+        several = isinstance(body.prompt, list) and bool(body.prompt) and not isinstance(body.prompt[0], int)
+        self._check_limits(body, params, len(body.prompt) if several else 1)
         prompts = self._completion_prompts(body.prompt)
         for ids in prompts:
             self._check_length(ids, params.max_tokens, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        group = await RequestGroup.add(self.engine, request_id, prompts, params, arrival)
+        group = await RequestGroup.add(self.engine, request_id, prompts, params, arrival,
+                                       ticket=self.admission.admit(params.n, [len(p) for p in prompts]),
+                                       timeout=self.limits.timeout_for(body.timeout))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             body_iter = self._stream_completion(request_id, group, params, include_usage)
@@ -165,11 +173,14 @@ class OpenAIServer:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = self._sampling_params(body, max_tokens, logprobs)
+        self._check_limits(body, params, 1)
         ids = self.tokenizer.encode(self._render_chat(body.messages, body.add_generation_prompt),
                                     add_special_tokens=False)
         self._check_length(ids, params.max_tokens, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        group = await RequestGroup.add(self.engine, request_id, [ids], params, arrival)
+        group = await RequestGroup.add(self.engine, request_id, [ids], params, arrival,
+                                       ticket=self.admission.admit(params.n, [len(ids)]),
+                                       timeout=self.limits.timeout_for(body.timeout))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             body_iter = self._stream_chat(request_id, group, params, include_usage)
@@ -238,6 +249,11 @@ class OpenAIServer:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of other than n is not supported", param="best_of")
+
+    def _check_limits(self, body, params: SamplingParams, num_prompts: int) -> None:
+        check_request_limits(self.limits, n=params.n, num_prompts=num_prompts, stop=params.stop,
+                             stop_token_ids=params.stop_token_ids, vocab_size=self.engine.model_config.vocab_size,
+                             timeout=body.timeout)
 
     @staticmethod
     def _sampling_params(body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
