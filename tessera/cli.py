@@ -55,7 +55,15 @@ def main(argv: list[str] | None = None) -> int:
         add_serve_arguments(serve)
         serve.set_defaults(func=run_server)
 
+    from tessera.advisor.commands import add_advisor_commands
+
+    add_advisor_commands(sub)
+
     args = parser.parse_args(argv)
+    if getattr(args, "config", None):  # serve --config FILE: the file's settings, overridden by the flags given
+        from tessera.advisor.commands import apply_config_file
+
+        args = apply_config_file(parser, serve, argv, args.config)
     level = (getattr(args, "log_level", None) or "info").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return int(args.func(args) or 0)

@@ -48,6 +48,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allowed-origins", default=None,
                         help="comma-separated origins allowed by CORS, e.g. https://app.example (default: CORS off)")
     add_engine_arguments(parser)
+    from tessera.advisor.commands import add_serve_advisor_arguments
+
+    add_serve_advisor_arguments(parser)  # --config, --record-trace, --autopilot, --slo-ttft-ms, --slo-itl-ms
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -80,6 +83,9 @@ def run_server(args: argparse.Namespace) -> int:
     origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()] if args.allowed_origins else None
     app = create_app(engine_config_from_args(args), served_model_name=args.served_model_name, api_key=api_key,
                      limits=server_limits_from_args(args), allowed_origins=origins)
+    from tessera.advisor.commands import attach_serve_advisor
+
+    attach_serve_advisor(app, args)
     if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("listening on %s without an API key: anyone who can reach the port can use the model "
                        "(set --api-key or TESSERA_API_KEY)", args.host)

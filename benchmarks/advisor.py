@@ -1,0 +1,259 @@
+"""Does the advisor pick well? For several workload shapes, replay a synthetic trace in real time
+through the engine under a grid of configurations, the advised one, and the autopilot (starting
+from the defaults), and print each one's goodput: requests per second that met both objectives
+(TTFT, and mean time per output token), over the time from the first arrival to the last finish.
+
+The target (issue 9): on every shape the advised configuration reaches >= 90% of the best grid
+configuration's goodput, and the autopilot >= 85%.
+
+Machine-relative by construction: the step costs are measured on the model first, each trace's
+arrival rate is set so the default configuration would be busy `--load` of the time (simulated),
+and the objectives are multiples of the measured step times, so the same table means the same on
+a fast or a slow machine. The tiny random model is the default (seconds per shape); `--model`
+takes the real one.
+
+    flock /tmp/tessera-bench.lock python benchmarks/advisor.py [--model smollm2-135m-instruct] [--shapes chatbot,mixed]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from dataclasses import fields
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tessera.advisor.advise import advise  # noqa: E402
+from tessera.advisor.autopilot import Autopilot, AutopilotConfig  # noqa: E402
+from tessera.advisor.profile import (  # noqa: E402
+    load_model_info,
+    measure_step_costs,
+    profile_trace,
+    quantization_modes,
+    speculative_fields,
+)
+from tessera.advisor.sim import ITL_PERCENTILE, SimRequest, StepCosts, meets_slo, percentile, simulate  # noqa: E402
+from tessera.advisor.trace import TraceRequest, synthesize  # noqa: E402
+from tessera.config import EngineConfig  # noqa: E402
+from tessera.engine.engine import LLMEngine  # noqa: E402
+from tessera.engine_args import parse_memory  # noqa: E402
+
+SHAPES = ("chatbot", "multiturn", "summarization", "code_edit", "mixed", "bursty")
+DEFAULTS = {"enable_prefix_caching": True, "max_num_batched_tokens": 512}
+
+
+def grid() -> list[dict]:
+    out = [{"enable_prefix_caching": pc, "max_num_batched_tokens": b} for pc in (True, False) for b in (128, 512, 2048)]
+    spec = speculative_fields()
+    if spec:
+        out.append({**DEFAULTS, spec["method"]: "ngram"})  # the engine's own k
+    out += [{**DEFAULTS, "quantization": m} for m in quantization_modes() if m != "none"]
+    return out
+
+
+def label(cfg: dict) -> str:
+    parts = [f"pc={'on' if cfg.get('enable_prefix_caching', True) else 'off'}",
+             f"budget={cfg.get('max_num_batched_tokens', 512)}"]
+    parts += [f"{k.removeprefix('speculative_').replace('num_speculative_tokens', 'k')}={v}" for k, v in cfg.items()
+              if k not in ("enable_prefix_caching", "max_num_batched_tokens") and v not in (None, "none")
+              and k in {f.name for f in fields(EngineConfig)}
+              and not (k == "num_speculative_tokens" and cfg.get("speculative_method") is None)]
+    return " ".join(parts)
+
+
+def slos(costs: StepCosts, trace: list[TraceRequest]) -> tuple[float, float]:
+    """(TTFT, ITL) objectives in seconds, as multiples of the measured step times. ITL: a step
+    of 16 decodes and a 256-token prefill chunk, plus room for jitter; TTFT: a few prefills of
+    the trace's long (p90) prompts."""
+    p90_prompt = percentile([len(r.prompt_token_ids) for r in trace], 90)
+    itl = 1.5 * costs.step_time(256, 16)
+    ttft = 3 * costs.step_time(int(p90_prompt), 16) + 10 * costs.step_time(0, 16)
+    return ttft, itl
+
+
+def calibrate_rate(trace: list[TraceRequest], costs: StepCosts, load: float) -> list[TraceRequest]:
+    """Stretch arrival times so the default engine would be busy `load` of the time (simulated)."""
+    reqs = [SimRequest(r.arrival_time, len(r.prompt_token_ids), len(r.output_token_ids)) for r in trace]
+
+    def busy(scale: float) -> float:
+        sim = simulate([SimRequest(r.arrival * scale, r.prompt_len, r.output_len) for r in reqs], costs, 512, 64)
+        return (sim.prefill_time_s + sim.decode_time_s) / sim.makespan
+
+    lo, hi = 1e-3, 1e3
+    for _ in range(40):
+        mid = (lo * hi) ** 0.5
+        if busy(mid) > load:
+            lo = mid
+        else:
+            hi = mid
+    for r in trace:
+        r.arrival_time *= hi
+    return trace
+
+
+def replay(engine: LLMEngine, trace: list[TraceRequest], slo: tuple[float, float],
+           autopilot: Autopilot | None = None) -> dict:
+    """Submit each request at its arrival time, step until all finish; goodput and latencies."""
+    start = time.monotonic()
+    results: dict[str, tuple[float, float | None, float]] = {}
+    outputs_by_id: dict[str, list[int]] = {}
+    last_token: dict[str, float] = {}
+    gaps: dict[str, list[float]] = {}
+    i = 0
+    while i < len(trace) or engine.has_unfinished_requests():
+        now = time.monotonic()
+        while i < len(trace) and start + trace[i].arrival_time <= now:
+            r = trace[i]
+            engine.add_request(f"r{i}", r.prompt_token_ids, r.sampling_params(), arrival_time=start + r.arrival_time)
+            i += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, start + trace[i].arrival_time - time.monotonic()))
+            continue
+        outputs = engine.step()
+        now = time.monotonic()
+        if autopilot is not None:
+            autopilot.on_step(outputs, engine.stats(), now)
+        for out in outputs:
+            rid, new = out.request_id, len(out.outputs[0].delta_token_ids)
+            if rid in last_token and new:
+                gaps.setdefault(rid, []).extend([(now - last_token[rid]) / new] * new)
+            last_token[rid] = now
+            if out.finished:
+                m = out.metrics
+                outputs_by_id[rid] = out.outputs[0].token_ids
+                g = gaps.pop(rid, [])
+                results[rid] = (m.first_token_time - m.arrival_time, percentile(g, ITL_PERCENTILE) if g else None,
+                                m.finished_time)
+    end = max(f for _, _, f in results.values())
+    good = sum(meets_slo(t, p, *slo) for t, p, _ in results.values())
+    ttfts = [t for t, _, _ in results.values()]
+    itls = [p for _, p, _ in results.values() if p is not None]
+    return {"goodput": good / (end - start), "good": good, "n": len(results), "makespan_s": end - start,
+            "ttft_p90_ms": percentile(ttfts, 90) * 1e3, "itl_p90_ms": percentile(itls, 90) * 1e3,
+            "hit_rate": engine.stats().prefix_cache_hit_rate,
+            "outputs": [outputs_by_id[f"r{i}"] for i in range(len(trace))]}
+
+
+def _without_outputs(result: dict) -> dict:
+    return {k: v for k, v in result.items() if k != "outputs"}
+
+
+def make_engine(model: str, cfg: dict, args) -> LLMEngine:
+    known = {f.name for f in fields(EngineConfig)}
+    kwargs = {k: v for k, v in cfg.items() if k in known}
+    kwargs.setdefault("kv_cache_memory", args.kv_cache_memory)
+    return LLMEngine(EngineConfig(model=model, dtype=args.dtype, num_threads=args.num_threads, **kwargs))
+
+
+def run_shape(shape: str, model: str, info, costs: StepCosts, costs_by_mode: dict, args) -> dict:
+    n = args.num_requests
+    trace = synthesize(shape, n, rate=1.0, seed=args.seed, vocab_size=info.config.vocab_size,
+                       length_scale=args.length_scale)
+    trace = calibrate_rate(trace, costs, args.load)
+    slo = slos(costs, trace)
+    # What `tessera serve --record-trace` would have written: the model's own outputs, which
+    # the speculation estimate replays (a synthetic answer says nothing about this model).
+    recorded = replay(make_engine(model, DEFAULTS, args), trace, slo)
+    for r, out in zip(trace, recorded["outputs"], strict=True):
+        r.output_token_ids = out
+    profile = profile_trace(trace, info, costs, EngineConfig(model=model, kv_cache_memory=args.kv_cache_memory),
+                            slo[0] * 1e3, slo[1] * 1e3, costs_by_mode=costs_by_mode)
+    advice = advise(profile)
+    advised = {k: v for k, v in advice.config.items() if k in {f.name for f in fields(EngineConfig)}}
+    rows = []
+    for cfg in grid():
+        engine = make_engine(model, cfg, args)
+        rows.append({"config": label(cfg), "kind": "grid", **_without_outputs(replay(engine, trace, slo))})
+        del engine
+        gc.collect()
+    engine = make_engine(model, advised, args)
+    rows.append({"config": label(advised), "kind": "advised", **_without_outputs(replay(engine, trace, slo))})
+    del engine
+    engine = make_engine(model, DEFAULTS, args)
+    ap = Autopilot.for_engine(engine, AutopilotConfig(slo_ttft_ms=slo[0] * 1e3, slo_itl_ms=slo[1] * 1e3,
+                                                      prefix_window_tokens=2048, itl_window=32, ttft_window=8))
+    rows.append({"config": "autopilot from " + label(DEFAULTS), "kind": "autopilot",
+                 **_without_outputs(replay(engine, trace, slo, ap)),
+                 "changes": [f"{c.knob} {c.old}->{c.new} ({c.reason})" for c in ap.changes]})
+    del engine
+    gc.collect()
+    best = max(r["goodput"] for r in rows if r["kind"] == "grid")
+    for r in rows:
+        r["vs_best"] = r["goodput"] / best if best > 0 else 1.0
+    duration = trace[-1].arrival_time
+    return {"shape": shape, "requests": n, "duration_s": duration, "slo_ttft_ms": slo[0] * 1e3,
+            "slo_itl_ms": slo[1] * 1e3, "advice": [f"{d.stage}: {d.decision}" for d in advice.decisions], "rows": rows}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="default: a tiny random model written to a temporary folder")
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--num-requests", type=int, default=48)
+    p.add_argument("--length-scale", type=float, default=1.0)
+    p.add_argument("--load", type=float, default=0.8, help="simulated busy fraction of the default engine")
+    p.add_argument("--kv-cache-memory", type=parse_memory, default=parse_memory("512MiB"))
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args()
+
+    tmp = None
+    model = args.model
+    if model is None:
+        from tests.tiny_model import make_tiny_model_dir
+
+        tmp = tempfile.TemporaryDirectory()
+        # Random weights, the tiny test tokenizer's vocabulary, but layers wide enough that a step
+        # takes milliseconds, well above the timer and scheduling jitter of a busy machine.
+        model = str(make_tiny_model_dir(Path(tmp.name) / "tiny", hidden_size=256, intermediate_size=768,
+                                        num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32,
+                                        max_position_embeddings=2048))
+    info = load_model_info(model, args.dtype)
+    costs = measure_step_costs(info, args.dtype, args.num_threads, use_cache=args.model is not None)
+    costs_by_mode = {m: measure_step_costs(info, args.dtype, args.num_threads, use_cache=args.model is not None,
+                                           quantization=m) for m in quantization_modes(info.path) if m != "none"}
+    for mode, c in {"none": costs, **costs_by_mode}.items():
+        print(f"model {info.path.name} ({mode}); step costs: base {c.base_s * 1e3:.2f} ms, {c.per_decode_s * 1e3:.3f} "
+              f"ms per decode, {c.per_prefill_token_s * 1e3:.4f} ms per prefill token", flush=True)
+    results = []
+    t0 = time.perf_counter()
+    for shape in args.shapes.split(","):
+        res = run_shape(shape, model, info, costs, costs_by_mode, args)
+        results.append(res)
+        print(f"\n## {shape}: {res['requests']} requests over {res['duration_s']:.1f} s; SLO TTFT "
+              f"{res['slo_ttft_ms']:.0f} ms, ITL {res['slo_itl_ms']:.1f} ms")
+        for line in res["advice"]:
+            print(f"   advice {line}")
+        print(f"   {'configuration':<36} {'goodput':>8} {'good':>6} {'vs best':>8} {'TTFT p90':>9} {'TPOT p90':>9} "
+              f"{'hit':>5}")
+        for r in res["rows"]:
+            tag = {"grid": "", "advised": "  <- advised", "autopilot": "  <- autopilot"}[r["kind"]]
+            print(f"   {r['config']:<36} {r['goodput']:>8.2f} {r['good']:>3}/{r['n']:<2} {r['vs_best']:>7.0%} "
+                  f"{r['ttft_p90_ms']:>7.0f}ms {r['itl_p90_ms']:>7.1f}ms {r['hit_rate']:>5.0%}{tag}")
+            for c in r.get("changes", []):
+                print(f"      autopilot: {c}")
+        sys.stdout.flush()
+    print(f"\nsummary ({time.perf_counter() - t0:.0f} s):")
+    print(f"   {'shape':<14} {'advised vs best':>16} {'autopilot vs best':>18}")
+    ok = True
+    for res in results:
+        adv = next(r for r in res["rows"] if r["kind"] == "advised")["vs_best"]
+        auto = next(r for r in res["rows"] if r["kind"] == "autopilot")["vs_best"]
+        ok &= adv >= 0.9
+        print(f"   {res['shape']:<14} {adv:>15.0%}{'' if adv >= 0.9 else '!'} {auto:>17.0%}{'' if auto >= 0.85 else '!'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"costs": costs.__dict__, "results": results}, indent=2))
+    if tmp is not None:
+        tmp.cleanup()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""`tessera advise`: the optimization decision tree, walked in order over a Profile.
+
+Each stage answers one question with one measured figure against one threshold, says what it
+expects to gain, and sets the engine fields it decides. The result is a configuration file that
+`tessera serve --config FILE` takes. A technique is only switched on when its figure clears the
+threshold: prefix caching without shared prefixes, or speculation on text no draft predicts,
+only costs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tessera.advisor.profile import Profile, engine_fields, speculative_fields
+from tessera.advisor.sim import SimRequest, StepCosts, simulate, simulate_replicas
+
+# The thresholds of the tree, in one place so the report can quote them.
+PREFIX_HIT_RATE_MIN = 0.10  # below this the hashing and the cache bookkeeping buy nothing
+STATIC_WASTE_HIGH = 0.20  # above this static batching would pad a fifth of its token slots
+CHUNK_BUDGETS = (64, 128, 256, 512, 1024, 2048)
+BUDGET_TIE = 0.03  # budgets within 3% of the best goodput are ties; the default wins a tie
+SPECULATION_SPEEDUP_MIN = 1.10
+DISAGGREGATION_GAIN_MIN = 1.15
+KV_HEADROOM = 1.25
+QUANT_SPEED_GAIN_MIN = 1.10  # a lossy mode must do the work this much faster to be chosen for speed
+REPLICA_GOODPUT_FRACTION = 0.9  # an engine keeps up when it serves this share of the offered rate
+
+
+@dataclass
+class Decision:
+    stage: str
+    question: str
+    decision: str
+    figure: str
+    threshold: str
+    expected_gain: str
+    settings: dict = field(default_factory=dict)
+
+
+@dataclass
+class Advice:
+    decisions: list[Decision]
+    config: dict  # EngineConfig fields (and the serve SLO flags) to write
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"decisions": [asdict(d) for d in self.decisions], "config": self.config, "notes": self.notes}
+
+
+def advise(profile: Profile, base: dict | None = None) -> Advice:
+    """Walk the six stages; `base` is the engine configuration the user starts from (field -> value)."""
+    cfg = {"enable_prefix_caching": True, "max_num_batched_tokens": 512, "max_num_seqs": 64, "block_size": 16}
+    cfg.update({k: v for k, v in (base or {}).items() if v is not None})
+    decisions = [
+        _memory(profile, cfg),
+        _prefix(profile, cfg),
+        _heterogeneity(profile, cfg),
+        _fragmentation(profile, cfg),
+        _speculation(profile, cfg),
+        _scale(profile, cfg),
+    ]
+    config = {}
+    for d in decisions:
+        config.update(d.settings)
+    config["slo_ttft_ms"] = profile.scale.slo_ttft_ms
+    config["slo_itl_ms"] = profile.scale.slo_itl_ms
+    notes = [f"step costs {profile.costs.source}: base {profile.costs.base_s * 1e3:.2f} ms, "
+             f"{profile.costs.per_decode_s * 1e3:.3f} ms per decoding sequence, "
+             f"{profile.costs.per_prefill_token_s * 1e3:.4f} ms per prefill token"]
+    return Advice(decisions, config, notes)
+
+
+def _slo(profile: Profile) -> tuple[float, float]:
+    return profile.scale.slo_ttft_ms / 1e3, profile.scale.slo_itl_ms / 1e3
+
+
+def _work(profile: Profile, cfg: dict, costs: StepCosts) -> float:
+    """Seconds the engine would be busy serving the trace with these step costs."""
+    reqs = _with_cache(profile.requests, cfg["enable_prefix_caching"], profile.prefix.cached_tokens)
+    sim = simulate(reqs, costs, cfg["max_num_batched_tokens"], cfg["max_num_seqs"], block_size=cfg["block_size"])
+    return sim.prefill_time_s + sim.decode_time_s
+
+
+def _costs(profile: Profile, cfg: dict) -> StepCosts:
+    return profile.costs_by_mode.get(cfg.get("quantization", "none"), profile.costs)
+
+
+def _with_cache(requests: list[SimRequest], on: bool, cached: list[int]) -> list[SimRequest]:
+    return [SimRequest(r.arrival, r.prompt_len, r.output_len, c if on else 0, r.reserved_len)
+            for r, c in zip(requests, cached, strict=True)]
+
+
+def _goodput(profile: Profile, cfg: dict, budget: int | None = None, cache_on: bool | None = None,
+             costs: StepCosts | None = None) -> float:
+    """Simulated goodput of the configuration decided so far, with one setting tried otherwise."""
+    on = cfg["enable_prefix_caching"] if cache_on is None else cache_on
+    reqs = _with_cache(profile.requests, on, profile.prefix.cached_tokens)
+    costs = costs or _costs(profile, cfg)
+    sim = simulate(reqs, costs, budget or cfg["max_num_batched_tokens"], cfg["max_num_seqs"],
+                   kv_capacity_tokens=profile.engine["kv_pool_tokens"], block_size=cfg["block_size"])
+    return sim.goodput(*_slo(profile))
+
+
+# ---- 1. memory --------------------------------------------------------------------------------
+
+
+def _memory(p: Profile, cfg: dict) -> Decision:
+    m = p.memory
+    need = int(max(m.peak_kv_tokens, m.largest_request_tokens) * KV_HEADROOM)
+    fit = m.kv_tokens_fit["none"]
+    fitting = [mode for mode, tokens in m.kv_tokens_fit.items() if tokens >= need]
+    can_quantize = "quantization" in engine_fields()
+    # Speed: the simulated work (busy seconds) and goodput of every fitting mode whose steps were timed.
+    timed = [mode for mode in fitting if mode in p.costs_by_mode]
+    scores = {mode: _goodput(p, cfg, costs=p.costs_by_mode[mode]) for mode in timed}
+    work = {mode: _work(p, cfg, p.costs_by_mode[mode]) for mode in timed}
+    settings: dict = {}
+    figure = (f"peak KV need {m.peak_kv_tokens:,} tokens x{KV_HEADROOM} headroom = {need:,} tokens "
+              f"({_bytes(need * m.kv_bytes_per_token)}) at {m.peak_concurrency} concurrent sequences; pool "
+              f"{fit:,} tokens; weights {_bytes(m.weight_bytes['none'])}")
+    if len(scores) > 1:
+        figure += "; simulated busy seconds, goodput by mode: " + ", ".join(
+            f"{k}: {work[k]:.2f} s, {v:.2f} req/s" for k, v in scores.items())
+    threshold = (f"need <= KV tokens that fit; a (lossy) quantization mode for speed only when it does the trace's "
+                 f"work >= {QUANT_SPEED_GAIN_MIN}x faster, at no loss of goodput")
+    mode = "none"
+    if "none" in fitting:
+        faster = [x for x in timed if x != "none" and "none" in work
+                  and work["none"] >= QUANT_SPEED_GAIN_MIN * work[x] and scores[x] >= scores["none"]]
+        if can_quantize and faster:
+            mode = max(faster, key=lambda x: (scores[x], -work[x]))
+            decision = f"quantize the weights ({mode}) for speed: the KV already fits"
+            gain = (f"{work['none'] / work[mode]:.2f}x less busy time; simulated goodput {scores['none']:.2f} -> "
+                    f"{scores[mode]:.2f} req/s")
+        else:
+            decision = "no quantization: the KV pool holds the trace's peak and no mode is enough faster"
+            gain = f"none needed; the pool holds {fit / max(need, 1):.1f}x the need"
+    elif fitting and can_quantize:
+        mode = max(fitting, key=lambda x: scores.get(x, 0.0) * 1e18 + m.weight_bytes[x])  # fastest, else mildest
+        decision = f"quantize the weights ({mode}) to free memory for KV"
+        gain = f"KV capacity {fit:,} -> {m.kv_tokens_fit[mode]:,} tokens, no preemptions at the peak"
+    else:
+        settings["kv_cache_memory"] = need * m.kv_bytes_per_token
+        decision = f"raise the KV pool to {_bytes(need * m.kv_bytes_per_token)}"
+        gain = f"no preemptions at the peak: {fit:,} -> {need:,} tokens"
+    if can_quantize:
+        settings["quantization"] = mode
+    if m.peak_concurrency > cfg["max_num_seqs"]:
+        seqs = 1 << (m.peak_concurrency - 1).bit_length()
+        settings["max_num_seqs"] = seqs
+        decision += f"; batch limit {seqs} (the trace runs {m.peak_concurrency} at once)"
+    cfg.update(settings)
+    return Decision("1 memory", "does the KV the trace needs fit, and at which weight precision?", decision, figure,
+                    threshold, gain, settings)
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+# ---- 2. prefix structure ----------------------------------------------------------------------
+
+
+def _prefix(p: Profile, cfg: dict) -> Decision:
+    hit = p.prefix.hit_rate
+    on = hit >= PREFIX_HIT_RATE_MIN
+    g_on, g_off = _goodput(p, cfg, cache_on=True), _goodput(p, cfg, cache_on=False)
+    settings = {"enable_prefix_caching": on}
+    cfg.update(settings)
+    if on:
+        gain = (f"{hit:.0%} fewer prefill tokens; simulated goodput {g_off:.2f} -> {g_on:.2f} req/s")
+    else:
+        gain = "no hashing or cache bookkeeping on prompts that never repeat"
+    return Decision(
+        "2 prefix", "do prompts share prefixes?", "prefix caching on" if on else "prefix caching off",
+        f"hit rate {hit:.1%} of {p.prefix.query_tokens:,} prompt tokens ({p.prefix.requests_with_hits:.0%} of requests hit)",
+        f">= {PREFIX_HIT_RATE_MIN:.0%}", gain, settings)
+
+
+# ---- 3. heterogeneity -------------------------------------------------------------------------
+
+
+def _heterogeneity(p: Profile, cfg: dict) -> Decision:
+    h = p.heterogeneity
+    current = cfg["max_num_batched_tokens"]
+    candidates = sorted({b for b in CHUNK_BUDGETS if b >= min(cfg["max_num_seqs"], 64)} | {current})
+    scores = {b: _goodput(p, cfg, budget=b) for b in candidates}
+    best = max(scores.values())
+    ties = [b for b, g in scores.items() if g >= best * (1 - BUDGET_TIE)]
+    budget = current if current in ties else max(ties, key=lambda b: (scores[b], -abs(b - current)))
+    settings = {"max_num_batched_tokens": budget}
+    cfg.update(settings)
+    shape = "heterogeneous" if h.static_waste > STATIC_WASTE_HIGH else "uniform"
+    table = ", ".join(f"{b}: {g:.2f}" for b, g in scores.items())
+    return Decision(
+        "3 heterogeneity", "how much would static batching pad, and what chunked-prefill budget meets the SLOs?",
+        f"continuous batching ({shape} lengths); chunked-prefill budget {budget} tokens",
+        f"static batching of {h.static_batch_size} would pad {h.static_waste:.0%} of token slots "
+        f"(prompt p50/p99 {h.prompt_len.p50:.0f}/{h.prompt_len.p99:.0f}, output p50/p99 "
+        f"{h.output_len.p50:.0f}/{h.output_len.p99:.0f}); simulated goodput by budget {{{table}}}",
+        f"static waste > {STATIC_WASTE_HIGH:.0%} = heterogeneous; budget: best simulated goodput, ties "
+        f"within {BUDGET_TIE:.0%} keep {current}",
+        f"{1 / (1 - h.static_waste):.2f}x the useful tokens per slot of static batching; goodput "
+        f"{scores[current]:.2f} -> {scores[budget]:.2f} req/s", settings)
+
+
+# ---- 4. fragmentation -------------------------------------------------------------------------
+
+
+def _fragmentation(p: Profile, cfg: dict) -> Decision:
+    f = p.fragmentation
+    ratio = f.peak_max_len_tokens / f.peak_paged_tokens if f.peak_paged_tokens else 1.0
+    return Decision(
+        "4 fragmentation", "how much KV would contiguous reservations hold against the paged cache?",
+        f"paged KV cache, block size {cfg['block_size']}",
+        f"at the peak: paged {f.peak_paged_tokens:,} tokens ({f.paged_waste:.1%} in partly filled blocks) vs "
+        f"contiguous prompt+max_tokens {f.peak_reserved_tokens:,} ({f.reserved_waste:.0%} unused) vs "
+        f"max_model_len {f.peak_max_len_tokens:,}",
+        "block tail waste < 10% keeps the block size", f"{ratio:.1f}x the sequences of max-length reservations "
+        f"in the same memory", {})
+
+
+# ---- 5. latency: speculation -------------------------------------------------------------------
+
+
+def _speculation(p: Profile, cfg: dict) -> Decision:
+    s = p.speculation
+    question = "would speculative decoding shorten decoding at the trace's batch sizes?"
+    threshold = f"modelled speedup >= {SPECULATION_SPEEDUP_MIN}x at the median batch"
+    if s is None:
+        return Decision("5 latency", question, "speculation off", "the trace holds no outputs to estimate "
+                        "acceptance from", threshold, "none", {})
+    batches = sorted(s.speedup_by_batch)
+    median_batch = batches[len(batches) // 2]
+    speedup = s.speedup_by_batch[median_batch]
+    figure = (f"n-gram acceptance {s.acceptance_rate:.0%} of drafted tokens, {s.tokens_per_step:.2f} tokens per "
+              f"step, drafts on {s.draft_coverage:.0%} of steps; modelled speedup "
+              + ", ".join(f"{v:.2f}x at batch {b}" for b, v in s.speedup_by_batch.items()))
+    fields = speculative_fields()
+    if speedup < SPECULATION_SPEEDUP_MIN:
+        settings = {fields["method"]: None} if fields else {}
+        return Decision("5 latency", question, "speculation off", figure, threshold,
+                        f"none: {speedup:.2f}x at batch {median_batch}", settings)
+    if fields:
+        settings = {fields["method"]: "ngram", fields["k"]: s.num_speculative_tokens}
+        decision = f"n-gram speculation, k={s.num_speculative_tokens}"
+    else:
+        settings = {}
+        decision = "n-gram speculation would pay (this build has no speculative decoding to switch on)"
+    cfg.update(settings)
+    return Decision("5 latency", question, decision, figure, threshold,
+                    f"{speedup:.2f}x decode speed at batch {median_batch}", settings)
+
+
+# ---- 6. scale -----------------------------------------------------------------------------------
+
+
+def _scale(p: Profile, cfg: dict) -> Decision:
+    s = p.scale
+    slo = _slo(p)
+    reqs = _with_cache(p.requests, cfg["enable_prefix_caching"], p.prefix.cached_tokens)
+    offered = s.arrival_rate
+    replicas, goodput = 1, 0.0
+    for n in (1, 2, 4, 8):
+        replicas = n
+        goodput = simulate_replicas(reqs, _costs(p, cfg), cfg["max_num_batched_tokens"], cfg["max_num_seqs"],
+                                    n).goodput(*slo)
+        if goodput >= REPLICA_GOODPUT_FRACTION * offered:
+            break
+    split = s.disaggregation_gain >= DISAGGREGATION_GAIN_MIN
+    decision = ("split prefill and decode workers" if split else "one engine does both prefill and decode")
+    decision += f"; {replicas} engine{'s' if replicas > 1 else ''} to keep up"
+    return Decision(
+        "6 scale", "does one engine keep up, and would separate prefill and decode workers pay?", decision,
+        f"{s.arrival_rate:.2f} req/s offered (peak {s.peak_rate_1s:.0f} in 1 s, inter-arrival CV "
+        f"{s.interarrival_cv:.2f}); time in prefill {s.prefill_share:.0%}, decode {s.decode_share:.0%}; "
+        f"simulated goodput 2 engines {s.goodput_two_colocated:.2f} vs 1 prefill + 1 decode "
+        f"{s.goodput_disaggregated:.2f} req/s",
+        f"split when it beats two colocated engines by >= {DISAGGREGATION_GAIN_MIN - 1:.0%}; an engine keeps up "
+        f"at >= {REPLICA_GOODPUT_FRACTION:.0%} of the offered rate within the SLOs",
+        f"x{s.disaggregation_gain:.2f} goodput from splitting; {goodput:.2f} req/s good with {replicas} engine(s)",
+        {})
+
+
+# ---- the configuration file --------------------------------------------------------------------
+
+
+def write_config(path: str | Path, advice: Advice) -> None:
+    """JSON, or YAML (with each decision as a comment) for a .yaml/.yml path."""
+    path = Path(path)
+    config = {k: v for k, v in advice.config.items() if v is not None or k in engine_fields()}
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        lines = ["# written by `tessera advise`; `tessera serve --config FILE` reads it, flags override it"]
+        lines += [f"# {d.stage}: {d.decision}" for d in advice.decisions]
+        path.write_text("\n".join(lines) + "\n" + yaml.safe_dump(config, sort_keys=False))
+    else:
+        path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def read_config(path: str | Path) -> dict:
+    path = Path(path)
+    text = path.read_text()
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(text)
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a configuration file holds one mapping of flag names to values")
+    return data

@@ -1,0 +1,276 @@
+"""`tessera serve --autopilot`: switch optimizations while serving, from live metrics.
+
+The Autopilot is a StepObserver: the engine thread calls `on_step` after every step (the engine
+is single-threaded, so changing it there is safe), and it changes two knobs:
+
+- prefix caching: off when the hit rate (by prompt tokens) stays under `hit_rate_off` over a
+  window of `prefix_window_tokens` looked-up tokens, back on when a shadow index (the same
+  chained block hashes, cheap ones, in an LRU as large as the KV pool) would have hit at least
+  `hit_rate_on` over a window while it was off;
+- the chunked-prefill token budget: halved while the p90 inter-token latency exceeds the ITL
+  objective, doubled while the p90 TTFT exceeds its objective and ITL has room.
+
+The decision half (`record_*` then `decide`) touches no engine, so tests feed it metric
+sequences; `apply` is the only code that changes an engine. Every change is logged with its
+reason, kept in `changes`, and exported through `collector()` as Prometheus metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from tessera.advisor.sim import percentile
+
+logger = logging.getLogger("tessera.autopilot")
+
+
+@dataclass(frozen=True)
+class AutopilotConfig:
+    slo_ttft_ms: float | None = None
+    slo_itl_ms: float | None = None
+    hit_rate_off: float = 0.02  # prefix caching off below this windowed hit rate ...
+    hit_rate_on: float = 0.10  # ... and back on above this shadow hit rate (hysteresis between)
+    prefix_window_tokens: int = 8192  # prompt tokens looked up per prefix decision
+    itl_window: int = 64  # inter-token gaps per latency decision
+    ttft_window: int = 16  # first tokens per latency decision
+    itl_slack: float = 0.6  # the budget grows for TTFT only while p90 ITL < this x the ITL objective
+    min_budget: int = 64
+    max_budget: int = 8192
+
+
+@dataclass(frozen=True)
+class Change:
+    time: float
+    knob: str  # "enable_prefix_caching" or "max_num_batched_tokens"
+    old: object
+    new: object
+    reason: str
+
+
+class _ShadowPrefixIndex:
+    """Which chained block prefixes a prefix cache of `capacity` blocks would hold, by Python
+    hashes (collisions only blur an estimate here, never an output)."""
+
+    def __init__(self, block_size: int, capacity: int) -> None:
+        self.block_size = block_size
+        self.capacity = max(1, capacity)
+        self._lru: OrderedDict[int, None] = OrderedDict()
+
+    def _hashes(self, token_ids: list[int], num_blocks: int) -> list[int]:
+        out, parent, bs = [], 0, self.block_size
+        for i in range(num_blocks):
+            parent = hash((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
+            out.append(parent)
+        return out
+
+    def lookup(self, token_ids: list[int]) -> int:
+        """Tokens of the longest cached prefix (leaving one token to compute, as the engine does)."""
+        hit = 0
+        for h in self._hashes(token_ids, (len(token_ids) - 1) // self.block_size):
+            if h not in self._lru:
+                break
+            self._lru.move_to_end(h)
+            hit += self.block_size
+        return hit
+
+    def insert(self, token_ids: list[int]) -> None:
+        for h in self._hashes(token_ids, len(token_ids) // self.block_size):
+            self._lru[h] = None
+            self._lru.move_to_end(h)
+        while len(self._lru) > self.capacity:
+            self._lru.popitem(last=False)
+
+
+class Autopilot:
+    def __init__(self, config: AutopilotConfig, *, enable_prefix_caching: bool, max_num_batched_tokens: int,
+                 max_num_seqs: int = 64, block_size: int = 16, kv_capacity_blocks: int = 1 << 16) -> None:
+        self.config = config
+        self.prefix_caching = enable_prefix_caching
+        self.budget = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.changes: list[Change] = []
+        self._shadow = _ShadowPrefixIndex(block_size, kv_capacity_blocks)
+        self._prefix_q = self._prefix_h = 0  # the current window, tokens
+        self._itl: list[float] = []
+        self._ttft: list[float] = []
+        self.last_hit_rate: float | None = None
+        self.last_p90_itl: float | None = None
+        self.last_p90_ttft: float | None = None
+        # Engine glue state (on_step).
+        self._engine = None
+        self._last_prefix = (0, 0)
+        self._last_token_time: dict[str, float] = {}
+
+    @classmethod
+    def for_engine(cls, engine, config: AutopilotConfig) -> Autopilot:
+        """An autopilot that starts from `engine`'s current settings and changes that engine."""
+        ap = cls(config, enable_prefix_caching=engine.kv.enable_prefix_caching,
+                 max_num_batched_tokens=engine.scheduler.max_num_batched_tokens,
+                 max_num_seqs=engine.config.max_num_seqs, block_size=engine.kv.block_size,
+                 kv_capacity_blocks=engine.kv.num_usable_blocks)
+        ap._engine = engine
+        stats = engine.stats()
+        ap._last_prefix = (stats.prefix_cache_queries, stats.prefix_cache_hits)
+        return ap
+
+    # ---- metrics in ----------------------------------------------------------------------------
+
+    def record_prefix(self, queries: int, hits: int) -> None:
+        """Prompt tokens looked up in the real prefix cache, and hits, since the last call (while on)."""
+        if self.prefix_caching:
+            self._prefix_q += queries
+            self._prefix_h += hits
+
+    def record_prompt(self, token_ids: list[int]) -> None:
+        """A newly admitted prompt: while caching is off, the shadow index measures what it would hit."""
+        if not self.prefix_caching:
+            self._prefix_q += len(token_ids)
+            self._prefix_h += self._shadow.lookup(token_ids)
+        self._shadow.insert(token_ids)
+
+    def record_finished(self, token_ids: list[int]) -> None:
+        """A finished sequence (prompt + output): its blocks stay cached, as in the engine."""
+        self._shadow.insert(token_ids)
+
+    def record_itl(self, seconds: float) -> None:
+        self._itl.append(seconds)
+
+    def record_ttft(self, seconds: float) -> None:
+        self._ttft.append(seconds)
+
+    # ---- decisions -------------------------------------------------------------------------------
+
+    def decide(self, now: float) -> list[Change]:
+        changes = self._decide_prefix(now) + self._decide_budget(now)
+        for c in changes:
+            logger.info("autopilot: %s %s -> %s (%s)", c.knob, c.old, c.new, c.reason)
+        self.changes += changes
+        return changes
+
+    def _decide_prefix(self, now: float) -> list[Change]:
+        cfg = self.config
+        if self._prefix_q < cfg.prefix_window_tokens:
+            return []
+        rate = self._prefix_h / self._prefix_q
+        self.last_hit_rate = rate
+        queried = self._prefix_q
+        self._prefix_q = self._prefix_h = 0
+        if self.prefix_caching and rate < cfg.hit_rate_off:
+            self.prefix_caching = False
+            return [Change(now, "enable_prefix_caching", True, False,
+                           f"hit rate {rate:.1%} over {queried} prompt tokens < {cfg.hit_rate_off:.0%}")]
+        if not self.prefix_caching and rate >= cfg.hit_rate_on:
+            self.prefix_caching = True
+            return [Change(now, "enable_prefix_caching", False, True,
+                           f"shadow hit rate {rate:.1%} over {queried} prompt tokens >= {cfg.hit_rate_on:.0%}")]
+        return []
+
+    def _decide_budget(self, now: float) -> list[Change]:
+        cfg = self.config
+        if cfg.slo_itl_ms is None and cfg.slo_ttft_ms is None:
+            return []
+        if len(self._itl) < cfg.itl_window and len(self._ttft) < cfg.ttft_window:
+            return []
+        itl = percentile(self._itl, 90) if self._itl else None
+        ttft = percentile(self._ttft, 90) if self._ttft else None
+        self.last_p90_itl, self.last_p90_ttft = itl, ttft
+        self._itl, self._ttft = [], []
+        old = self.budget
+        new, reason = old, ""
+        if cfg.slo_itl_ms is not None and itl is not None and itl * 1e3 > cfg.slo_itl_ms:
+            new = max(cfg.min_budget, old // 2)
+            reason = f"p90 ITL {itl * 1e3:.1f} ms > objective {cfg.slo_itl_ms:g} ms"
+        elif (cfg.slo_ttft_ms is not None and ttft is not None and ttft * 1e3 > cfg.slo_ttft_ms
+              and (cfg.slo_itl_ms is None or itl is None or itl * 1e3 < cfg.itl_slack * cfg.slo_itl_ms)):
+            new = min(cfg.max_budget, old * 2)
+            reason = f"p90 TTFT {ttft * 1e3:.1f} ms > objective {cfg.slo_ttft_ms:g} ms"
+            if itl is not None:
+                reason += f", p90 ITL {itl * 1e3:.1f} ms leaves room"
+        if new == old:
+            return []
+        self.budget = new
+        return [Change(now, "max_num_batched_tokens", old, new, reason)]
+
+    # ---- the engine ----------------------------------------------------------------------------
+
+    def apply(self, engine, changes: list[Change]) -> None:
+        """Make `changes` real on an LLMEngine, between two steps (on its thread)."""
+        for c in changes:
+            if c.knob == "enable_prefix_caching":
+                # Safe at any step boundary: sequences admitted while it was off hash their full
+                # blocks from the start at their next commit; while off nothing is looked up or
+                # registered, and cached blocks keep their contents until they are taken.
+                engine.kv.enable_prefix_caching = bool(c.new)
+            elif c.knob == "max_num_batched_tokens":
+                engine.scheduler.max_num_batched_tokens = int(c.new)
+                # Every running sequence must still decode every step: the batch fits the budget.
+                engine.scheduler.max_num_seqs = min(self.max_num_seqs, int(c.new))
+
+    def on_step(self, outputs, stats, now: float) -> None:
+        """StepObserver: turn the step's outputs and stats into records, decide, apply."""
+        q, h = stats.prefix_cache_queries, stats.prefix_cache_hits
+        self.record_prefix(q - self._last_prefix[0], h - self._last_prefix[1])
+        self._last_prefix = (q, h)
+        for out in outputs:
+            new = max((len(c.delta_token_ids) for c in out.outputs), default=0)
+            rid = out.request_id
+            last = self._last_token_time.get(rid)
+            if new:
+                if last is None:
+                    if out.metrics is not None and out.metrics.first_token_time is not None:
+                        self.record_ttft(out.metrics.first_token_time - out.metrics.arrival_time)
+                    self.record_prompt(out.prompt_token_ids)
+                else:
+                    for _ in range(new):
+                        self.record_itl((now - last) / new)
+                self._last_token_time[rid] = now
+            if out.finished:
+                self._last_token_time.pop(rid, None)
+                if out.outputs:
+                    self.record_finished(out.prompt_token_ids + out.outputs[0].token_ids)
+        changes = self.decide(now)
+        if changes and self._engine is not None:
+            self.apply(self._engine, changes)
+
+    def on_abort(self, request_ids: list[str], now: float) -> None:
+        for rid in request_ids:
+            self._last_token_time.pop(rid, None)
+
+    # ---- Prometheus --------------------------------------------------------------------------
+
+    def collector(self, model_name: str):
+        """A prometheus_client Collector of the autopilot's knobs, windows and changes."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        autopilot = self
+
+        class _Collector:
+            def collect(self):
+                def gauge(name: str, doc: str, value: float | None):
+                    g = GaugeMetricFamily(name, doc, labels=["model_name"])
+                    if value is not None:
+                        g.add_metric([model_name], value)
+                    return g
+
+                yield gauge("tessera:autopilot_prefix_caching", "1 while the autopilot keeps prefix caching on.",
+                            float(autopilot.prefix_caching))
+                yield gauge("tessera:autopilot_max_num_batched_tokens", "The token budget the autopilot set.",
+                            autopilot.budget)
+                yield gauge("tessera:autopilot_window_hit_rate", "Prefix hit rate of the last decision window "
+                            "(the shadow index's while caching is off).", autopilot.last_hit_rate)
+                yield gauge("tessera:autopilot_window_p90_itl_seconds", "p90 inter-token latency of the last window.",
+                            autopilot.last_p90_itl)
+                yield gauge("tessera:autopilot_window_p90_ttft_seconds", "p90 TTFT of the last window.",
+                            autopilot.last_p90_ttft)
+                c = CounterMetricFamily("tessera:autopilot_changes", "Settings the autopilot changed, by knob.",
+                                        labels=["model_name", "knob"])
+                counts: dict[str, int] = {}
+                for ch in list(autopilot.changes):
+                    counts[ch.knob] = counts.get(ch.knob, 0) + 1
+                for knob in ("enable_prefix_caching", "max_num_batched_tokens"):
+                    c.add_metric([model_name, knob], counts.get(knob, 0))
+                yield c
+
+        return _Collector()

@@ -1,0 +1,174 @@
+"""The `tessera profile` and `tessera advise` subcommands, and `tessera serve --config FILE`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tessera.config import DEFAULT_MODEL, EngineConfig
+from tessera.engine_args import add_engine_arguments, engine_kwargs
+
+
+def add_advisor_commands(sub) -> None:
+    prof = sub.add_parser("profile", help="measure a workload trace: memory, prefixes, lengths, "
+                                          "fragmentation, speculation, scale (JSON)")
+    _add_common(prof)
+    prof.add_argument("-o", "--output", default=None, help="write the profile JSON here (default: stdout)")
+    prof.set_defaults(func=cmd_profile)
+
+    adv = sub.add_parser("advise", help="walk the optimization decision tree over a trace and write the "
+                                        "configuration `tessera serve --config` takes")
+    _add_common(adv)
+    adv.add_argument("-o", "--output", default="tessera-config.json",
+                     help="the configuration file to write (.json, or .yaml/.yml)")
+    adv.add_argument("--report", default=None, help="also write a markdown report here (plots with matplotlib)")
+    adv.add_argument("--json", dest="json_out", default=None, help="also write the profile and decisions as JSON")
+    adv.set_defaults(func=cmd_advise)
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    from tessera.advisor.profile import DEFAULT_SLO_ITL_MS, DEFAULT_SLO_TTFT_MS
+
+    p.add_argument("trace", help="a JSONL trace (see tessera/advisor/trace.py; `python -m tessera.advisor.trace` "
+                                 "writes synthetic ones)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="HF folder, .gguf file, or the default model's name")
+    p.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_SLO_TTFT_MS, help="time-to-first-token objective")
+    p.add_argument("--slo-itl-ms", type=float, default=DEFAULT_SLO_ITL_MS, help="inter-token latency objective")
+    p.add_argument("--remeasure", action="store_true", help="time the model's steps again instead of using the cache")
+    p.add_argument("--quant-candidates", default="all",
+                   help="quantization modes whose step times are measured for the speed comparison: 'all' (every "
+                        "mode this build offers for the model), 'none', or a comma-separated list")
+    add_engine_arguments(p)
+
+
+def _run_profile(args: argparse.Namespace):
+    from tessera.advisor.profile import load_model_info, measure_step_costs, profile_trace, quantization_modes
+    from tessera.advisor.trace import read_trace
+
+    trace = read_trace(args.trace)
+    config = EngineConfig(model=args.model, **engine_kwargs(args))
+    info = load_model_info(args.model, args.dtype, args.max_model_len)
+    tokenizer = None
+    if any(r.prompt_token_ids is None for r in trace):
+        from tessera.model.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer(info.path, info.config)
+    costs = measure_step_costs(info, args.dtype, args.num_threads, use_cache=not args.remeasure)
+    available = quantization_modes(info.path)
+    wanted = available if args.quant_candidates == "all" else args.quant_candidates.split(",")
+    unknown = set(wanted) - set(available)
+    if unknown:
+        raise SystemExit(f"--quant-candidates: {', '.join(sorted(unknown))} not available; choose from "
+                         f"{', '.join(available)}")
+    by_mode = {mode: measure_step_costs(info, args.dtype, args.num_threads, use_cache=not args.remeasure,
+                                        quantization=mode) for mode in wanted if mode != "none"}
+    return profile_trace(trace, info, costs, config, args.slo_ttft_ms, args.slo_itl_ms, tokenizer,
+                         costs_by_mode=by_mode)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    profile = _run_profile(args)
+    text = json.dumps(profile.to_json(), indent=2)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        print(text)
+    return 0
+
+
+def cmd_advise(args: argparse.Namespace) -> int:
+    from tessera.advisor.advise import advise, write_config
+    from tessera.advisor.report import render_report
+
+    profile = _run_profile(args)
+    base = {k: getattr(args, k) for k in ("enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs",
+                                          "block_size")}
+    advice = advise(profile, base)
+    print(format_advice(advice))
+    write_config(args.output, advice)
+    print(f"\nwrote {args.output}: tessera serve {args.model} --config {args.output}")
+    if args.report:
+        report = Path(args.report)
+        report.write_text(render_report(profile, advice, report.parent / (report.stem + "_plots")))
+        print(f"wrote {args.report}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"profile": profile.to_json(), **advice.to_json()}, indent=2))
+        print(f"wrote {args.json_out}")
+    return 0
+
+
+def format_advice(advice) -> str:
+    lines = []
+    for d in advice.decisions:
+        lines += [f"[{d.stage}] {d.question}", f"    decision:      {d.decision}", f"    figure:        {d.figure}",
+                  f"    threshold:     {d.threshold}", f"    expected gain: {d.expected_gain}"]
+    lines += [f"note: {n}" for n in advice.notes]
+    return "\n".join(lines)
+
+
+def apply_config_file(parser: argparse.ArgumentParser, sub: argparse.ArgumentParser, argv: list[str] | None,
+                      path: str) -> argparse.Namespace:
+    """Parse argv again with the file's settings as the subcommand's defaults, so that flags given
+    on the command line override the file whatever their order. Keys are flag names with
+    underscores (max_num_batched_tokens) or dashes (max-num-batched-tokens)."""
+    from tessera.advisor.advise import read_config
+
+    try:
+        values = read_config(path)
+    except (OSError, ValueError) as exc:
+        parser.error(f"--config {path}: {exc}")
+    actions = {a.dest: a for a in sub._actions if a.dest not in ("help", "config")}
+    defaults = {}
+    for key, value in values.items():
+        dest = key.replace("-", "_")
+        action = actions.get(dest)
+        if action is None:
+            parser.error(f"--config {path}: unknown setting {key!r}; known: {', '.join(sorted(actions))}")
+        if isinstance(value, str) and action.type is not None:
+            value = action.type(value)  # e.g. kv_cache_memory: "2GiB"
+        if action.choices is not None and value is not None and value not in action.choices:
+            parser.error(f"--config {path}: {key} = {value!r}; choose one of {', '.join(map(str, action.choices))}")
+        defaults[dest] = value
+    sub.set_defaults(**defaults)
+    return parser.parse_args(argv)
+
+
+# ---- tessera serve: --config, --record-trace, --autopilot --------------------------------------
+
+
+def add_serve_advisor_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None,
+                        help="a JSON/YAML file of serve settings (what `tessera advise` writes); flags given on the "
+                             "command line override it")
+    parser.add_argument("--record-trace", default=None, metavar="FILE",
+                        help="append one JSONL line per request (prompt, sampling, arrival, output) for `tessera advise`")
+    parser.add_argument("--autopilot", action="store_true",
+                        help="adapt prefix caching and the chunked-prefill budget from live metrics (see --slo-*)")
+    parser.add_argument("--slo-ttft-ms", type=float, default=None, help="time-to-first-token objective (autopilot)")
+    parser.add_argument("--slo-itl-ms", type=float, default=None, help="inter-token latency objective (autopilot)")
+
+
+def attach_serve_advisor(app, args: argparse.Namespace) -> None:
+    """Hook the trace recorder and the autopilot into a created app's engine, before it serves."""
+    from tessera.advisor.trace import FanOutObserver, TraceRecorder, record_requests
+
+    engine = app.state.engine  # the AsyncLLMEngine
+    extra = []
+    if getattr(args, "record_trace", None):
+        recorder = TraceRecorder(args.record_trace)
+        record_requests(engine, recorder)
+        extra.append(recorder)
+    if getattr(args, "autopilot", False):
+        from tessera.advisor.autopilot import Autopilot, AutopilotConfig
+
+        autopilot = Autopilot.for_engine(engine.engine, AutopilotConfig(slo_ttft_ms=args.slo_ttft_ms,
+                                                                        slo_itl_ms=args.slo_itl_ms))
+        app.state.metrics.registry.register(autopilot.collector(app.state.served_model_name))
+        app.state.autopilot = autopilot
+        extra.append(autopilot)
+    if extra:
+        # No step has run yet (nothing was submitted), so the engine thread reads the new observer first.
+        engine.observer = FanOutObserver(engine.observer, *extra)

@@ -1,0 +1,224 @@
+"""The autopilot: its decisions on fed metric sequences, its changes applied to a real engine
+(greedy outputs unchanged, KV invariants after every step), its Prometheus export, and the
+server hooks (--autopilot, --record-trace)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from tessera.advisor.autopilot import Autopilot, AutopilotConfig
+from tessera.config import EngineConfig
+from tessera.engine.engine import LLMEngine
+from tessera.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tessera.sampling import SamplingParams
+
+
+def pilot(**cfg) -> Autopilot:
+    defaults = dict(prefix_window_tokens=1000, itl_window=10, ttft_window=4)
+    return Autopilot(AutopilotConfig(**{**defaults, **cfg}), enable_prefix_caching=True, max_num_batched_tokens=512,
+                     max_num_seqs=32, block_size=16, kv_capacity_blocks=1000)
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1000) for _ in range(n)]
+
+
+# ---- prefix caching -----------------------------------------------------------------------------
+
+
+def test_prefix_caching_goes_off_when_nothing_hits_and_back_on_when_prompts_repeat():
+    ap = pilot()
+    for _ in range(9):
+        ap.record_prefix(queries=100, hits=0)
+        assert ap.decide(1.0) == []  # 900 tokens: the window is not full yet
+    ap.record_prefix(queries=100, hits=1)
+    (change,) = ap.decide(2.0)
+    assert (change.knob, change.old, change.new) == ("enable_prefix_caching", True, False)
+    assert "hit rate 0.1% over 1000 prompt tokens" in change.reason and not ap.prefix_caching
+    ap.record_prefix(queries=5000, hits=5000)  # the real cache reports nothing while off
+    assert ap.decide(3.0) == []
+    # While off, the shadow index sees a shared system prompt come back.
+    rng = random.Random(0)
+    system = tokens(rng, 160)
+    for _ in range(8):
+        ap.record_prompt(system + tokens(rng, 32))
+    (change,) = ap.decide(4.0)
+    assert (change.old, change.new) == (False, True) and "shadow hit rate" in change.reason
+    assert ap.last_hit_rate == pytest.approx(7 * 160 / (8 * 192))
+    assert [c.knob for c in ap.changes] == ["enable_prefix_caching"] * 2
+
+
+def test_hit_rates_between_the_thresholds_change_nothing():
+    ap = pilot(hit_rate_off=0.02, hit_rate_on=0.10)
+    ap.record_prefix(queries=1000, hits=50)  # 5%: keep on
+    assert ap.decide(1.0) == [] and ap.prefix_caching
+    ap.prefix_caching = False
+    rng = random.Random(1)
+    shared = tokens(rng, 16)
+    for i in range(40):  # 1 block of 16 shared in every 4th prompt of 64: ~5% shadow hits
+        ap.record_prompt((shared if i % 4 == 0 else tokens(rng, 16)) + tokens(rng, 48))
+    assert ap.decide(2.0) == [] and not ap.prefix_caching
+    assert 0.02 < ap.last_hit_rate < 0.10
+
+
+# ---- the chunked-prefill budget ---------------------------------------------------------------------
+
+
+def test_budget_halves_while_itl_breaks_its_objective_and_stops_at_the_floor():
+    ap = pilot(slo_itl_ms=50, min_budget=128)
+    budgets = []
+    for _ in range(4):
+        for _ in range(10):
+            ap.record_itl(0.080)
+        for c in ap.decide(0.0):
+            budgets.append(c.new)
+    assert budgets == [256, 128]  # then the floor: no more changes
+    assert "p90 ITL 80.0 ms > objective 50 ms" in ap.changes[0].reason
+
+
+def test_budget_doubles_for_ttft_only_while_itl_has_room():
+    ap = pilot(slo_ttft_ms=200, slo_itl_ms=50, max_budget=1024)
+    for _ in range(4):
+        ap.record_ttft(0.5)
+    for _ in range(10):
+        ap.record_itl(0.040)  # 80% of the objective: no room
+    assert ap.decide(0.0) == [] and ap.budget == 512
+    for _ in range(4):
+        ap.record_ttft(0.5)
+    for _ in range(10):
+        ap.record_itl(0.010)
+    (change,) = ap.decide(1.0)
+    assert (change.old, change.new) == (512, 1024) and "p90 TTFT 500.0 ms > objective 200 ms" in change.reason
+    for _ in range(4):
+        ap.record_ttft(0.5)
+    assert ap.decide(2.0) == []  # at the ceiling
+    for _ in range(10):
+        ap.record_itl(0.010)
+    assert pilot().decide(0.0) == []  # no objectives, no budget decisions
+
+
+# ---- on a real engine ------------------------------------------------------------------------------
+
+
+def engine_for(model_dir, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", max_model_len=256, num_threads=1,
+                                  kv_cache_memory=1 << 20, **kw))
+
+
+def run_all(engine: LLMEngine, prompts, params, each_step=None) -> dict[str, list[int]]:
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    done = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        engine.check_invariants()
+        if each_step:
+            each_step(step, outs)
+        step += 1
+        done.update({o.request_id: o.outputs[0].token_ids for o in outs if o.finished})
+    return done
+
+
+def test_switching_knobs_mid_run_keeps_outputs_and_the_kv_invariant(tiny_model_dir):
+    rng = random.Random(2)
+    system = [rng.randrange(3, 260) for _ in range(48)]
+    prompts = [system + [rng.randrange(3, 260) for _ in range(rng.randint(4, 40))] for _ in range(12)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    reference = run_all(engine_for(tiny_model_dir), prompts, params)
+
+    engine = engine_for(tiny_model_dir, max_num_batched_tokens=256, max_num_seqs=8)
+    ap = Autopilot.for_engine(engine, AutopilotConfig())
+    from tessera.advisor.autopilot import Change
+
+    plan = {1: ("enable_prefix_caching", True, False), 3: ("max_num_batched_tokens", 256, 64),
+            5: ("enable_prefix_caching", False, True), 8: ("max_num_batched_tokens", 64, 512)}
+
+    def each_step(step, outs):
+        if step in plan:
+            ap.apply(engine, [Change(0.0, *plan[step], "test")])
+
+    assert run_all(engine, prompts, params, each_step) == reference
+    assert engine.scheduler.max_num_batched_tokens == 512 and engine.scheduler.max_num_seqs == 8
+    assert engine.kv.enable_prefix_caching and engine.stats().prefix_cache_hits > 0
+
+
+def test_on_step_turns_engine_outputs_into_decisions(tiny_model_dir):
+    """The glue: TTFT and ITL come from the outputs, prompts feed the shadow index, and a change
+    reaches the engine the autopilot drives."""
+    engine = engine_for(tiny_model_dir, max_num_batched_tokens=512)
+    ap = Autopilot.for_engine(engine, AutopilotConfig(slo_itl_ms=1e-6, itl_window=8, ttft_window=1000,
+                                                      prefix_window_tokens=10**9))
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 260) for _ in range(20)] for _ in range(3)]
+    run_all(engine, prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+            lambda step, outs: ap.on_step(outs, engine.stats(), __import__("time").monotonic()))
+    assert ap.changes and ap.changes[0].knob == "max_num_batched_tokens"
+    assert engine.scheduler.max_num_batched_tokens == ap.budget < 512
+    assert ap._shadow.lookup(prompts[0] + [1]) == 16  # the prompts reached the shadow index
+
+
+def test_on_step_with_fed_outputs():
+    ap = pilot(slo_ttft_ms=100, ttft_window=2, itl_window=10**6)
+
+    def out(rid, new, finished=False, first=0.0):
+        m = RequestMetrics(arrival_time=0.0, first_token_time=first)
+        return RequestOutput(rid, None, [1, 2, 3], [CompletionOutput(0, "", [7] * new, delta_token_ids=[7] * new)],
+                             finished, m)
+
+    class Stats:
+        prefix_cache_queries = prefix_cache_hits = 0
+
+    ap.on_step([out("a", 1, first=0.3), out("b", 1, first=0.4)], Stats(), 0.4)
+    assert [c.new for c in ap.changes] == [1024]  # both first tokens were 300+ ms late
+    ap.on_step([out("a", 2)], Stats(), 0.5)  # two tokens in one step: two gaps of 50 ms
+    assert ap._itl == [pytest.approx(0.05)] * 2
+
+
+def test_prometheus_export():
+    ap = pilot(slo_itl_ms=10)
+    for _ in range(10):
+        ap.record_itl(0.05)
+    ap.decide(0.0)
+    registry = CollectorRegistry()
+    registry.register(ap.collector("m"))
+    text = generate_latest(registry).decode()
+    assert 'tessera:autopilot_max_num_batched_tokens{model_name="m"} 256.0' in text
+    assert 'tessera:autopilot_prefix_caching{model_name="m"} 1.0' in text
+    assert 'tessera:autopilot_changes_total{knob="max_num_batched_tokens",model_name="m"} 1.0' in text
+    assert 'tessera:autopilot_window_p90_itl_seconds{model_name="m"} 0.05' in text
+
+
+# ---- the server hooks ------------------------------------------------------------------------------
+
+
+def test_serve_records_a_trace_and_exports_the_autopilot(tiny_model_dir, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from tessera.advisor.commands import attach_serve_advisor
+    from tessera.advisor.trace import read_trace
+    from tessera.server.app import create_app
+
+    app = create_app(EngineConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=256, num_threads=1,
+                                  kv_cache_memory=1 << 20), served_model_name="tiny")
+    path = tmp_path / "served.jsonl"
+    attach_serve_advisor(app, argparse.Namespace(record_trace=str(path), autopilot=True, slo_ttft_ms=500.0,
+                                                 slo_itl_ms=50.0))
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 3,
+                                                 "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": [5] * 300, "max_tokens": 3})
+        assert r.status_code == 400  # refused: longer than the context, never recorded
+        metrics = client.get("/metrics").text
+    (line,) = [json.loads(x) for x in path.read_text().splitlines()]
+    assert line["prompt_token_ids"] == [5, 6, 7, 8] and line["max_tokens"] == 3
+    assert line["temperature"] == 0.0 and line["ignore_eos"] is True and len(line["output_token_ids"]) == 3
+    assert read_trace(path)[0].arrival_time == 0.0
+    assert 'tessera:autopilot_max_num_batched_tokens{model_name="tiny"}' in metrics
+    assert app.state.autopilot.budget == app.state.engine.engine.scheduler.max_num_batched_tokens
