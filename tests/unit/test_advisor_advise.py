@@ -139,7 +139,7 @@ def test_config_file_errors_name_the_setting(tmp_path, capsys):
     with pytest.raises(SystemExit):
         apply_config_file(parser, serve, ["serve", "--config", str(path)], str(path))
     assert "unknown setting 'prefix_caching'" in capsys.readouterr().err
-    path.write_text(json.dumps({"kv-cache-memory": "1GiB", "preemption_mode": "recompute"}))
+    path.write_text(json.dumps({"kv-cache-memory": "1GiB", "log_level": "debug"}))
     parser, serve = serve_parser()
     args = apply_config_file(parser, serve, ["serve", "--config", str(path)], str(path))
     assert args.kv_cache_memory == 1 << 30  # strings go through the flag's own parser
