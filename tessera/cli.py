@@ -1,4 +1,4 @@
-"""The `tessera` command: serve | generate | bench."""
+"""The `tessera` command: serve | generate | bench (load | serve)."""
 
 from __future__ import annotations
 
@@ -54,19 +54,44 @@ def main(argv: list[str] | None = None) -> int:
         serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
         add_serve_arguments(serve)
         serve.set_defaults(func=run_server)
-
+        _add_bench_commands(sub)
     from tessera.advisor.commands import add_advisor_commands
 
     add_advisor_commands(sub)
 
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
     if getattr(args, "config", None):  # serve --config FILE: the file's settings, overridden by the flags given
         from tessera.advisor.commands import apply_config_file
 
         args = apply_config_file(parser, serve, argv, args.config)
+    if rest and not getattr(args, "passes_rest", False):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if getattr(args, "passes_rest", False):
+        args.func(rest)
+        return 0
     level = (getattr(args, "log_level", None) or "info").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return int(args.func(args) or 0)
+
+
+def _add_bench_commands(sub) -> None:
+    """`tessera bench load` (tessera.bench.load) and `tessera bench serve` (tessera.bench.serve)."""
+    from tessera.bench import load
+
+    bench = sub.add_parser("bench", help="load generators and benchmarks against a running server")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    load_parser = bench_sub.add_parser("load", help="bounded load with disconnects; checks every stream")
+    load.add_arguments(load_parser)
+    load_parser.set_defaults(func=lambda args: load.exit_code(load.run(args)))
+
+    def serve_bench(rest: list[str]) -> dict:
+        from tessera.bench import serve
+
+        return serve.main(rest)
+
+    # Its flags are bench/serve.py's own: they are passed through unparsed (`--help` included).
+    bench_sub.add_parser("serve", help="the serving benchmark (TTFT, TPOT, throughput)", add_help=False) \
+        .set_defaults(func=serve_bench, passes_rest=True)
 
 
 if __name__ == "__main__":
