@@ -10,6 +10,7 @@ test_api_fuzz.py and test_hardening_engine.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -249,7 +250,7 @@ async def _open_stream(client: httpx.AsyncClient, base_url: str, body: dict) -> 
 
 
 def test_server_answers_503_with_retry_after_at_once_when_the_queue_is_full(tiny_model_dir):
-    config = engine_config(tiny_model_dir).__class__(**{**engine_config(tiny_model_dir).__dict__, "max_num_seqs": 2})
+    config = dataclasses.replace(engine_config(tiny_model_dir), max_num_seqs=2)
     app = create_app(config, served_model_name=MODEL, limits=ServerLimits(max_waiting_requests=1))
     long = {"model": MODEL, "prompt": "long", "max_tokens": 200, "ignore_eos": True, "stream": True}
 
@@ -281,7 +282,7 @@ def test_server_answers_503_with_retry_after_at_once_when_the_queue_is_full(tiny
 
 @pytest.fixture(scope="module")
 def timeout_server(tiny_model_dir):
-    config = engine_config(tiny_model_dir).__class__(**{**engine_config(tiny_model_dir).__dict__, "max_num_seqs": 4})
+    config = dataclasses.replace(engine_config(tiny_model_dir), max_num_seqs=4)
     with ServerThread(create_app(config, served_model_name=MODEL, limits=ServerLimits(request_timeout=0.5))) as srv:
         yield srv
 
@@ -323,7 +324,7 @@ def test_streamed_request_past_its_timeout_ends_with_finish_reason_abort(timeout
     assert stats.num_running == 0 and stats.kv_cache_usage == 0
 
 
-def test_request_that_times_out_while_queued_never_runs(timeout_server):
+def test_request_that_times_out_in_the_queue_gets_a_408(timeout_server):
     srv = timeout_server
     hog = {"model": MODEL, "prompt": "hog", "max_tokens": 200, "n": 4, "ignore_eos": True, "timeout": 0.4}
     queued = {"model": MODEL, "prompt": "queued", "max_tokens": 5, "timeout": 0.1}
