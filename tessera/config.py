@@ -93,6 +93,11 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     kv_cache_memory_fraction: float = 0.3
     enable_prefix_caching: bool = True
+    # The host KV tier: GiB of host memory for a second block pool that preempted sequences are
+    # swapped to (0 = none), and how a preempted sequence gets its K/V back: recompute, swap
+    # (when the host pool has room), or auto (swap when measured cheaper than recompute).
+    swap_space: float = 0.0
+    preemption_mode: str = "auto"
     # Scheduler: the token budget of one step (prefill chunks + decodes) and the batch limit.
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
@@ -109,3 +114,9 @@ class EngineConfig:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.swap_space < 0:
+            raise ValueError(f"--swap-space must be >= 0 GiB, got {self.swap_space}")
+        if self.preemption_mode not in ("recompute", "swap", "auto"):
+            raise ValueError(f"--preemption-mode {self.preemption_mode!r}: choose recompute, swap or auto")
+        if self.preemption_mode == "swap" and self.swap_space == 0:
+            raise ValueError("--preemption-mode swap needs a host KV pool: give --swap-space in GiB, e.g. 4")

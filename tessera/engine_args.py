@@ -23,6 +23,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--swap-space", type=float, default=0.0,
+                   help="GiB of host memory for the host KV tier that preempted sequences are swapped to")
+    p.add_argument("--preemption-mode", choices=["recompute", "swap", "auto"], default="auto",
+                   help="how a preempted sequence gets its KV back (auto: swap when cheaper; needs --swap-space)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--attention-backend", default="auto", help="auto | torch | triton (auto: triton on CUDA, torch on CPU)")
@@ -37,6 +41,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
+        swap_space=args.swap_space,
+        preemption_mode=args.preemption_mode,
         seed=args.seed,
         num_threads=args.num_threads,
         attention_backend=args.attention_backend,

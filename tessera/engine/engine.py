@@ -23,6 +23,7 @@ from tessera.engine.output_processor import SequenceTextState, decode_logprobs
 from tessera.engine.request import Sequence
 from tessera.engine.sampler import Sampler
 from tessera.engine.scheduler import Scheduler
+from tessera.engine.swap import HostBlockPool, PreemptionPolicy, measure_swap_costs, num_host_kv_blocks
 from tessera.model.download import resolve_model_path
 from tessera.model.llama import LlamaForCausalLM
 from tessera.model.tokenizer import Tokenizer
@@ -45,8 +46,15 @@ class EngineStats:
     generation_tokens_total: int
     last_step_num_seqs: int
     last_step_num_tokens: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
+    prefix_cache_queries: int  # tokens looked up at admission
+    prefix_cache_hits: int  # of those, tokens whose KV blocks came from the prefix cache
+    prefix_cache_hit_rate: float = 0.0  # hits / queries, by tokens
+    num_evicted_blocks: int = 0  # cached blocks whose contents were overwritten
+    num_swapped_out_blocks: int = 0  # blocks copied to the host pool by swap preemptions
+    num_swapped_in_blocks: int = 0  # blocks copied back from the host pool
+    num_swapped_seqs: int = 0  # sequences whose KV sits in the host pool now
+    num_host_free_blocks: int = 0
+    num_host_total_blocks: int = 0
 
 
 class _RequestState:
@@ -84,13 +92,24 @@ class LLMEngine:
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         num_blocks = num_kv_blocks(config, mc, self.dtype, self.max_model_len)
-        self.runner = ModelRunner(model, num_blocks, config.block_size)
+        num_host_blocks = num_host_kv_blocks(config.swap_space, config.block_size,
+                                             mc.kv_bytes_per_token(torch.empty((), dtype=self.dtype).element_size()))
+        self.runner = ModelRunner(model, num_blocks, config.block_size, num_host_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.host_pool = HostBlockPool(num_host_blocks, config.block_size) if num_host_blocks else None
+        mode = config.preemption_mode if num_host_blocks else "recompute"
+        costs = measure_swap_costs(self.runner, num_blocks - 1, num_host_blocks) if mode == "auto" else None
+        if costs is not None:
+            logger.info("host KV tier: %d blocks; swap round trip %.0f us + %.1f us/block, prefill %.0f us/token",
+                        num_host_blocks, costs.roundtrip_overhead_s * 1e6, costs.roundtrip_per_block_s * 1e6,
+                        costs.prefill_per_token_s * 1e6)
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             kv=self.kv,
+            host=self.host_pool,
+            preemption=PreemptionPolicy(mode, costs),
         )
         self.sampler = Sampler()
         self._requests: dict[str, _RequestState] = {}
@@ -162,6 +181,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
+        self.runner.swap_blocks(out.swap_out, out.swap_in)  # before anything writes the freed blocks
         scheduled = [(s.seq, s.num_new_tokens) for s in out.scheduled]
         if not scheduled:
             self._last_step = (0, 0)
@@ -244,9 +264,22 @@ class LLMEngine:
             last_step_num_tokens=self._last_step[1],
             prefix_cache_queries=kv.prefix_queries,
             prefix_cache_hits=kv.prefix_hits,
+            prefix_cache_hit_rate=kv.prefix_hit_rate,
+            num_evicted_blocks=kv.num_evictions,
+            **self._host_stats(),
         )
+
+    def _host_stats(self) -> dict:
+        host = self.host_pool
+        if host is None:
+            return {}
+        return dict(num_swapped_out_blocks=host.num_swapped_out_blocks, num_swapped_in_blocks=host.num_swapped_in_blocks,
+                    num_swapped_seqs=host.num_swapped_seqs, num_host_free_blocks=host.num_free_blocks,
+                    num_host_total_blocks=host.num_blocks)
 
     def check_invariants(self) -> None:
         """The KV invariant over every live sequence; tests call it after every step."""
         live = [t.seq for state in self._requests.values() for t in state.texts if not t.seq.is_finished]
         self.kv.check_invariants(live)
+        if self.host_pool is not None:
+            self.host_pool.check_invariants(live)

@@ -113,7 +113,7 @@ class KVCacheManager:
 
     # ---- allocation -------------------------------------------------------------------------
 
-    def allocate_for_admission(self, seq: Sequence, max_new_tokens: int) -> bool:
+    def allocate_for_admission(self, seq: Sequence, max_new_tokens: int, num_restored_tokens: int = 0) -> bool:
         """Admit a sequence that holds no blocks: take its cached prefix and its first chunk.
 
         The prefix hit is the longest run of cached full blocks matching `seq.token_ids`
@@ -122,13 +122,19 @@ class KVCacheManager:
         num_cached_tokens to the hit length and grows the table to cover the first chunk,
         min(uncomputed, max_new_tokens) tokens. Returns False, taking nothing and leaving the
         sequence as it was, when the pool cannot hold that much.
+
+        num_restored_tokens: a sequence coming back from the host pool has the K/V of that many
+        leading tokens saved there. Fresh blocks cover the ones past the prefix hit (the caller
+        copies them in before the step runs) and num_computed_tokens counts them.
         """
         assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
+        assert num_restored_tokens < seq.num_tokens, "at least one token must be left to compute"
         hit_hashes = self._find_cached_prefix(seq) if self.enable_prefix_caching else []
         hit_blocks = [self.blocks[self._cached[h]] for h in hit_hashes]
         num_hit_tokens = len(hit_blocks) * self.block_size
-        num_new_tokens = min(seq.num_tokens - num_hit_tokens, max_new_tokens)
-        num_fresh = self.num_blocks_for(num_hit_tokens + num_new_tokens) - len(hit_blocks)
+        num_computed = max(num_hit_tokens, num_restored_tokens)
+        num_new_tokens = min(seq.num_tokens - num_computed, max_new_tokens)
+        num_fresh = self.num_blocks_for(num_computed + num_new_tokens) - len(hit_blocks)
         num_revived = sum(1 for block in hit_blocks if block.ref_count == 0)
         if num_fresh + num_revived > len(self._free):
             return False
@@ -136,7 +142,8 @@ class KVCacheManager:
             self._acquire(block)
         seq.block_table = [block.block_id for block in hit_blocks]
         seq.num_computed_tokens = seq.num_cached_tokens = num_hit_tokens
-        self.allocate_slots(seq, num_new_tokens)  # cannot fail: checked above
+        self.allocate_slots(seq, num_computed - num_hit_tokens + num_new_tokens)  # cannot fail: checked above
+        seq.num_computed_tokens = num_computed
         if self.enable_prefix_caching:
             self._seq_hashes[seq.seq_id] = hit_hashes
             self.prefix_queries += seq.num_tokens

@@ -14,6 +14,7 @@ import torch
 
 from tessera.attention.metadata import AttentionMetadata, PrefillSpan
 from tessera.engine.request import Sequence
+from tessera.engine.swap import HostKVCache
 
 
 @dataclass
@@ -26,12 +27,21 @@ class StepInput:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
+        # The host KV tier (--swap-space): same layout, blocks copied in and out by swap_blocks.
+        self.host_kv = HostKVCache(self.kv_caches, num_host_blocks, block_size) if num_host_blocks else None
         self._block_offsets = torch.arange(block_size, dtype=torch.long)
+
+    def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Run a step's block copies before its forward pass: (device, host) pairs out, then
+        (host, device) pairs in, each a batched copy per layer and tensor."""
+        if swap_out or swap_in:
+            self.host_kv.swap_out(self.kv_caches, swap_out)
+            self.host_kv.swap_in(self.kv_caches, swap_in)
 
     def prepare(self, scheduled: list[tuple[Sequence, int]], num_decodes: int) -> StepInput:
         """Build the step's tensors. `scheduled` lists (sequence, new tokens), decodes first."""

@@ -8,13 +8,16 @@ admitted first-come first-served while the batch (max_num_seqs) and the budget a
 a prefill chunk of at most the remaining budget (chunked prefill).
 
 KV blocks are taken as tokens arrive, never reserved for the maximum output. When a running
-sequence cannot get a block, the newest running sequence is preempted in recompute mode (its
-blocks freed, its tokens, outputs included, to be computed again; the prefix cache usually
-revives most of them) and goes back to the front of the queue.
+sequence cannot get a block, the newest running sequence is preempted and goes back to the
+front of the queue: in recompute mode its blocks are freed and its tokens, outputs included,
+are computed again (the prefix cache usually revives most of them); in swap mode (see
+tessera.engine.swap) its computed blocks are first copied to the host pool, and copied back
+into fresh device blocks when it is admitted again. The PreemptionPolicy picks per victim.
 
 Engine protocol, once per step:
     out = scheduler.schedule()
     run the model on out.scheduled (decodes first; a seq samples iff item.samples)
+    copy out.swap_out (device -> host), then out.swap_in (host -> device), before the forward pass
     scheduler.update_after_step(out)            # advance num_computed_tokens, cache full blocks
     for each seq that sampled: append the token, check stop conditions, and if it stops
         scheduler.finish(seq, status)           # frees its blocks at once
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 
 from tessera.engine.kv_cache import KVCacheManager
 from tessera.engine.request import Sequence, SequenceStatus
+from tessera.engine.swap import HostBlockPool, PreemptionPolicy
 
 
 @dataclass
@@ -52,6 +56,10 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first, then prefill chunks
     preempted: list[Sequence] = field(default_factory=list)
+    # Block copies the engine runs before the forward pass, swap-outs first:
+    # (device block, host block) for preempted sequences, (host block, device block) for resumed ones.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -66,8 +74,13 @@ class Scheduler:
     """Owns the waiting queue and the running batch; decides each step's work (see module doc)."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, host: HostBlockPool | None = None,
+                 preemption: PreemptionPolicy | None = None) -> None:
         self.kv = kv
+        self.host = host  # the host KV pool, None without --swap-space
+        self.preemption = preemption or PreemptionPolicy("recompute")
+        self._swap_out: list[tuple[int, int]] = []  # this step's copies, handed out by schedule()
+        self._swap_in: list[tuple[int, int]] = []
         # A batch never holds more sequences than one step has tokens: every running sequence
         # decodes every step, none waits for the others' turn.
         self.max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
@@ -122,6 +135,8 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = status
         self.kv.free(seq)
+        if self.host is not None:
+            self.host.release(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -148,6 +163,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
+        self._swap_out, self._swap_in = [], []
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -162,6 +178,8 @@ class Scheduler:
         return SchedulerOutput(
             scheduled=[s for s in scheduled if s.is_decode] + [s for s in scheduled if not s.is_decode],
             preempted=preempted,
+            swap_out=self._swap_out,
+            swap_in=self._swap_in,
         )
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, preempted: list[Sequence]) -> bool:
@@ -184,6 +202,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        if self.preemption.should_swap(seq, self.host, self._num_shared_prefix_tokens(seq)):
+            self._swap_out.extend(self.host.swap_out(seq))  # before free: the pairs name its blocks
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -194,7 +214,7 @@ class Scheduler:
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.kv.allocate_for_admission(seq, budget):
+            if not self._allocate_for_admission(seq, budget):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -202,6 +222,29 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget)
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+
+    def _allocate_for_admission(self, seq: Sequence, budget: int) -> bool:
+        """kv.allocate_for_admission, and for a sequence swapped out to the host pool, the
+        copies that bring back its saved blocks the prefix cache does not cover."""
+        if self.host is None or not self.host.holds(seq):
+            return self.kv.allocate_for_admission(seq, budget)
+        if not self.kv.allocate_for_admission(seq, budget, self.host.num_saved_tokens(seq)):
+            return False
+        self._swap_in.extend(self.host.swap_in(seq, seq.num_cached_tokens // self.kv.block_size))
+        return True
+
+    def _num_shared_prefix_tokens(self, seq: Sequence) -> int:
+        """Tokens in seq's leading computed blocks that another sequence also holds: they stay
+        cached on the device, so recomputing seq would get them back from the prefix cache."""
+        if not self.kv.enable_prefix_caching:
+            return 0
+        num_full = seq.num_computed_tokens // self.kv.block_size
+        shared = 0
+        for block_id in seq.block_table[:num_full]:
+            if self.kv.blocks[block_id].ref_count < 2:
+                break
+            shared += 1
+        return shared * self.kv.block_size
 
     @staticmethod
     def _num_uncomputed(seq: Sequence) -> int:
