@@ -46,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 
+    from tessera.quality import add_quality_arguments, cmd_quality
+
+    quality = sub.add_parser("quality", help="perplexity and weight memory of quantization modes on a fixed text")
+    add_quality_arguments(quality)
+    quality.set_defaults(func=cmd_quality)
+
     try:
         from tessera.server.args import add_serve_arguments, run_server
     except ImportError:  # the server's dependencies are optional for offline use

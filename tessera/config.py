@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 import torch
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# --quantization choices (tessera/quant) and the int4 group sizes.
+QUANTIZATION_METHODS = ("none", "int8", "int4", "w8a8", "gguf")
+INT4_GROUP_SIZES = (32, 64, 128)
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,11 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     kv_cache_memory_fraction: float = 0.3
     enable_prefix_caching: bool = True
+    # Weight quantization applied at load (tessera/quant): none | int8 | int4 | w8a8 | gguf; the
+    # lm_head too when quantize_lm_head; int4 groups of quant_group_size weights.
+    quantization: str = "none"
+    quantize_lm_head: bool = False
+    quant_group_size: int = 32
     # The host KV tier: GiB of host memory for a second block pool that preempted sequences are
     # swapped to (0 = none), and how a preempted sequence gets its K/V back: recompute, swap
     # (when the host pool has room), or auto (swap when measured cheaper than recompute).
@@ -101,6 +109,14 @@ class EngineConfig:
     # Scheduler: the token budget of one step (prefill chunks + decodes) and the batch limit.
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
+    # Speculative decoding (tessera/spec): None = off; "ngram" (prompt lookup) or "draft" (a
+    # smaller model with the same tokenizer, draft_model). Up to num_speculative_tokens proposals
+    # per step; adaptive picks 0..k per step from measured acceptance and step costs.
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 5
+    speculative_adaptive: bool = True
+    draft_model: str | None = None  # "self": the target's own weights, with draft_quantization
+    draft_quantization: str = "none"
     seed: int = 0
     device: str = "cpu"
     attention_backend: str = "auto"  # see tessera.attention.backend: auto | torch | triton
@@ -114,8 +130,23 @@ class EngineConfig:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"--quantization {self.quantization!r}: choose one of {', '.join(QUANTIZATION_METHODS)}")
+        if self.quant_group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"--quant-group-size {self.quant_group_size}: choose one of "
+                             f"{', '.join(map(str, INT4_GROUP_SIZES))}")
         if self.swap_space < 0:
             raise ValueError(f"--swap-space must be >= 0 GiB, got {self.swap_space}")
+        if self.speculative_method not in (None, "ngram", "draft"):
+            raise ValueError(f"--speculative-method {self.speculative_method!r}: choose ngram or draft")
+        if self.speculative_method is not None and self.num_speculative_tokens < 1:
+            raise ValueError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
+        if (self.speculative_method == "draft") != (self.draft_model is not None):
+            raise ValueError("--speculative-method draft needs --draft-model PATH (a smaller model with the "
+                             "same tokenizer), and --draft-model is used only with --speculative-method draft")
+        if self.draft_quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"--draft-quantization {self.draft_quantization!r}: choose one of "
+                             f"{', '.join(QUANTIZATION_METHODS)}")
         if self.preemption_mode not in ("recompute", "swap", "auto"):
             raise ValueError(f"--preemption-mode {self.preemption_mode!r}: choose recompute, swap or auto")
         if self.preemption_mode == "swap" and self.swap_space == 0:

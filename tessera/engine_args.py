@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from tessera.config import INT4_GROUP_SIZES, QUANTIZATION_METHODS
+
 
 def parse_memory(text: str) -> int:
     """'2GiB', '512MiB', '1.5GB' or plain bytes -> bytes."""
@@ -23,10 +25,25 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--quantization", choices=list(QUANTIZATION_METHODS), default="none",
+                   help="weight quantization at load: int8 / int4 weight-only, w8a8 (int8 weights and "
+                        "activations), gguf (compute from a .gguf file's own Q4_0/Q4_1/Q8_0 blocks)")
+    p.add_argument("--quantize-lm-head", action="store_true", help="quantize the lm_head (output projection) too")
+    p.add_argument("--quant-group-size", type=int, choices=list(INT4_GROUP_SIZES), default=32,
+                   help="weights per scale / zero point in --quantization int4")
     p.add_argument("--swap-space", type=float, default=0.0,
                    help="GiB of host memory for the host KV tier that preempted sequences are swapped to")
     p.add_argument("--preemption-mode", choices=["recompute", "swap", "auto"], default="auto",
                    help="how a preempted sequence gets its KV back (auto: swap when cheaper; needs --swap-space)")
+    p.add_argument("--speculative-method", choices=["ngram", "draft"], default=None,
+                   help="speculative decoding: ngram (prompt lookup, no extra model) or draft (--draft-model)")
+    p.add_argument("--num-speculative-tokens", type=int, default=5, help="most tokens proposed per step (k)")
+    p.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="pick 0..k per step from measured acceptance and step costs (off: always k)")
+    p.add_argument("--draft-model", default=None,
+                   help="draft model for --speculative-method draft: a path, or self (the target, quantized)")
+    p.add_argument("--draft-quantization", choices=list(QUANTIZATION_METHODS), default="none",
+                   help="weight quantization of the draft model (e.g. --draft-model self --draft-quantization int8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--attention-backend", default="auto", help="auto | torch | triton (auto: triton on CUDA, torch on CPU)")
@@ -41,8 +58,16 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
+        quantization=args.quantization,
+        quantize_lm_head=args.quantize_lm_head,
+        quant_group_size=args.quant_group_size,
         swap_space=args.swap_space,
         preemption_mode=args.preemption_mode,
+        speculative_method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        speculative_adaptive=args.speculative_adaptive,
+        draft_model=args.draft_model,
+        draft_quantization=args.draft_quantization,
         seed=args.seed,
         num_threads=args.num_threads,
         attention_backend=args.attention_backend,

@@ -38,6 +38,9 @@ class AutopilotConfig:
     itl_slack: float = 0.6  # the budget grows for TTFT only while p90 ITL < this x the ITL objective
     min_budget: int = 64
     max_budget: int = 8192
+    # A budget that broke the ITL objective is not tried again for TTFT for this many latency
+    # windows (no flapping between two budgets; load changes, so it is retried eventually).
+    itl_memory_windows: int = 20
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,8 @@ class Autopilot:
         self.last_hit_rate: float | None = None
         self.last_p90_itl: float | None = None
         self.last_p90_ttft: float | None = None
+        self._itl_ceiling: int | None = None  # the smallest budget seen breaking the ITL objective
+        self._ceiling_age = 0
         # Engine glue state (on_step).
         self._engine = None
         self._last_prefix = (0, 0)
@@ -177,14 +182,20 @@ class Autopilot:
         ttft = percentile(self._ttft, 90) if self._ttft else None
         self.last_p90_itl, self.last_p90_ttft = itl, ttft
         self._itl, self._ttft = [], []
+        self._ceiling_age += 1
+        if self._ceiling_age > cfg.itl_memory_windows:
+            self._itl_ceiling = None
         old = self.budget
         new, reason = old, ""
         if cfg.slo_itl_ms is not None and itl is not None and itl * 1e3 > cfg.slo_itl_ms:
             new = max(cfg.min_budget, old // 2)
             reason = f"p90 ITL {itl * 1e3:.1f} ms > objective {cfg.slo_itl_ms:g} ms"
+            self._itl_ceiling, self._ceiling_age = min(old, self._itl_ceiling or old), 0
         elif (cfg.slo_ttft_ms is not None and ttft is not None and ttft * 1e3 > cfg.slo_ttft_ms
               and (cfg.slo_itl_ms is None or itl is None or itl * 1e3 < cfg.itl_slack * cfg.slo_itl_ms)):
             new = min(cfg.max_budget, old * 2)
+            if self._itl_ceiling is not None and new >= self._itl_ceiling:
+                new = old  # that budget broke the ITL objective a short while ago
             reason = f"p90 TTFT {ttft * 1e3:.1f} ms > objective {cfg.slo_ttft_ms:g} ms"
             if itl is not None:
                 reason += f", p90 ITL {itl * 1e3:.1f} ms leaves room"

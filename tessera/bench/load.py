@@ -170,14 +170,17 @@ async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, rng: 
         except MalformedStream as exc:
             out.kind, out.detail = "malformed", str(exc)
     except (httpx.HTTPError, asyncio.TimeoutError) as exc:
-        out.detail = repr(exc)
+        out.detail = f"{exc!r} {'mid-stream' if out.status else 'before the response'}"
     return out
 
 
 async def run_load(args: argparse.Namespace) -> dict:
     prompts = make_prompts(args.num_distinct_prompts, args.prompt_words, args.seed)
     concurrency = args.max_in_flight if args.rate else args.clients
-    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    # Idle connections expire here before the server's keep-alive timeout (uvicorn: 5 s) can close
+    # them under a request that is just being sent on one.
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8,
+                          keepalive_expiry=2.0)
     timeout = httpx.Timeout(args.request_timeout, connect=10)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     stats = LoadStats()

@@ -28,8 +28,10 @@ from tessera.model.download import resolve_model_path
 from tessera.model.llama import LlamaForCausalLM
 from tessera.model.tokenizer import Tokenizer
 from tessera.model.weights import load_model_files
+from tessera.quant import quantize_model
 from tessera.outputs import RequestMetrics, RequestOutput
 from tessera.sampling import SamplingParams
+from tessera.spec.decoder import SpeculativeDecoder
 
 logger = logging.getLogger("tessera")
 
@@ -55,6 +57,16 @@ class EngineStats:
     num_swapped_seqs: int = 0  # sequences whose KV sits in the host pool now
     num_host_free_blocks: int = 0
     num_host_total_blocks: int = 0
+    # Speculative decoding (all 0 when it is off): proposed and accepted tokens, accepted per
+    # verification, and decode steps (and their seconds) with speculation on and off.
+    spec_num_proposed_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_length: float = 0.0
+    spec_num_steps_on: int = 0
+    spec_num_steps_off: int = 0
+    spec_time_on_s: float = 0.0
+    spec_time_off_s: float = 0.0
 
 
 class _RequestState:
@@ -87,6 +99,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         model = LlamaForCausalLM(mc, self.dtype, device=config.device, attn_backend=config.attention_backend)
         model.load_weights(files.weights())
+        quantize_model(model, config.quantization, quantize_lm_head=config.quantize_lm_head,
+                       group_size=config.quant_group_size, model_files=files)
         model.eval()
         self.tokenizer = Tokenizer(path, mc)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
@@ -112,6 +126,8 @@ class LLMEngine:
             preemption=PreemptionPolicy(mode, costs),
         )
         self.sampler = Sampler()
+        self.spec = SpeculativeDecoder.from_config(config, self.kv, self.max_model_len, num_blocks, self.dtype,
+                                                   mc.vocab_size) if config.speculative_method else None
         self._requests: dict[str, _RequestState] = {}
         self._generators: dict[int, torch.Generator] = {}
         self._prompt_tokens_total = 0
@@ -173,6 +189,8 @@ class LLMEngine:
                 continue
             for seq in self.scheduler.abort(rid):
                 self._generators.pop(seq.seq_id, None)
+                if self.spec is not None:
+                    self.spec.forget(seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -180,7 +198,9 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
+        started = time.perf_counter()
+        lookahead = self.spec.plan(self.scheduler.running) if self.spec is not None else None
+        out = self.scheduler.schedule(lookahead)
         self.runner.swap_blocks(out.swap_out, out.swap_in)  # before anything writes the freed blocks
         scheduled = [(s.seq, s.num_new_tokens) for s in out.scheduled]
         if not scheduled:
@@ -190,17 +210,25 @@ class LLMEngine:
         for seq, _ in scheduled:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
+        spec_tokens = self.spec.propose(out.scheduled) if lookahead else None
         num_decodes = 0
         for seq, n in scheduled:
-            if n != 1 or seq.num_computed_tokens != seq.num_tokens - 1:
+            if n != 1 or seq.num_computed_tokens != seq.num_tokens - 1 or (spec_tokens and seq.seq_id in spec_tokens):
                 break
             num_decodes += 1
-        step = self.runner.prepare(scheduled, num_decodes)
+        step = self.runner.prepare(scheduled, num_decodes, spec_tokens)
         logits = self.runner.execute(step)
         self.scheduler.update_after_step(out)
         self._last_step = (len(scheduled), step.metadata.num_tokens)
         if not step.sample_seqs:
             return []
+        if spec_tokens:
+            seqs, token_ids, logprobs = self.spec.sample(step.sample_seqs, logits, spec_tokens, self.sampler,
+                                                         self._generators, self.eos_token_ids)
+            outputs = self._process_samples(seqs, token_ids, logprobs, time.monotonic())
+            self.spec.rollback()  # the accepted tokens are appended: trim what was rejected
+            self.spec.record_step(out.scheduled, time.perf_counter() - started)
+            return outputs
         seqs = step.sample_seqs
         sampled = self.sampler.sample(
             logits,
@@ -210,10 +238,15 @@ class LLMEngine:
             [self._generators.get(s.seq_id) for s in seqs],
             eos_token_ids=self.eos_token_ids,
         )
-        self._generation_tokens_total += len(seqs)
-        return self._process_samples(seqs, sampled, time.monotonic())
+        outputs = self._process_samples(seqs, [[t] for t in sampled.token_ids], sampled.logprobs, time.monotonic())
+        if self.spec is not None:
+            self.spec.record_step(out.scheduled, time.perf_counter() - started)
+        return outputs
 
-    def _process_samples(self, seqs: list[Sequence], sampled, now: float) -> list[RequestOutput]:
+    def _process_samples(self, seqs: list[Sequence], token_ids: list[list[int]], logprobs: list,
+                         now: float) -> list[RequestOutput]:
+        """Append each sequence's new tokens (one, or several after a speculative step) in order,
+        checking the stop conditions after each: a sequence that stops drops the rest."""
         changed: dict[str, _RequestState] = {}
         for i, seq in enumerate(seqs):
             state = self._requests[seq.request_id]
@@ -223,12 +256,17 @@ class LLMEngine:
                     state.metrics.first_token_time = now
                     state.metrics.first_scheduled_time = seq.first_scheduled_time
                     state.metrics.num_cached_tokens = seq.num_cached_tokens
-            if seq.sampling_params.logprobs is not None:
-                seq.output_logprobs.append(decode_logprobs(sampled.logprobs[i], self.tokenizer))
-            status = state.texts[seq.index].append_token(sampled.token_ids[i], self.eos_token_ids, self.max_model_len)
-            if status is not None:
-                self.scheduler.finish(seq, status)
-                self._generators.pop(seq.seq_id, None)
+            for token_id in token_ids[i]:
+                if seq.sampling_params.logprobs is not None:
+                    seq.output_logprobs.append(decode_logprobs(logprobs[i], self.tokenizer))
+                status = state.texts[seq.index].append_token(token_id, self.eos_token_ids, self.max_model_len)
+                self._generation_tokens_total += 1
+                if status is not None:
+                    self.scheduler.finish(seq, status)
+                    self._generators.pop(seq.seq_id, None)
+                    if self.spec is not None:
+                        self.spec.forget(seq.seq_id)
+                    break
             changed[seq.request_id] = state
         outputs = []
         for rid, state in changed.items():
@@ -267,6 +305,7 @@ class LLMEngine:
             prefix_cache_hit_rate=kv.prefix_hit_rate,
             num_evicted_blocks=kv.num_evictions,
             **self._host_stats(),
+            **(self.spec.engine_stats() if self.spec is not None else {}),
         )
 
     def _host_stats(self) -> dict:
@@ -283,3 +322,5 @@ class LLMEngine:
         self.kv.check_invariants(live)
         if self.host_pool is not None:
             self.host_pool.check_invariants(live)
+        if self.spec is not None:
+            self.spec.check_invariants()

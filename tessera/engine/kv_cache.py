@@ -200,6 +200,24 @@ class KVCacheManager:
         seq.block_table = []
         self._seq_hashes.pop(seq.seq_id, None)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep only the blocks covering seq's first num_tokens positions; free the rest.
+
+        Speculative decoding's rollback: blocks taken for proposals the target rejected go back
+        to the free list. They hold no computed prefix (num_tokens >= num_computed_tokens), so
+        they carry no hash and nobody else holds them.
+        """
+        assert num_tokens >= seq.num_computed_tokens, "trim would drop computed K/V"
+        keep = self.num_blocks_for(num_tokens)
+        for block_id in reversed(seq.block_table[keep:]):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block_id, last=False)
+        del seq.block_table[keep:]
+
     # ---- internals --------------------------------------------------------------------------
 
     def _find_cached_prefix(self, seq: Sequence) -> list[bytes]:

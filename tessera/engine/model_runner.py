@@ -43,8 +43,14 @@ class ModelRunner:
             self.host_kv.swap_out(self.kv_caches, swap_out)
             self.host_kv.swap_in(self.kv_caches, swap_in)
 
-    def prepare(self, scheduled: list[tuple[Sequence, int]], num_decodes: int) -> StepInput:
-        """Build the step's tensors. `scheduled` lists (sequence, new tokens), decodes first."""
+    def prepare(self, scheduled: list[tuple[Sequence, int]], num_decodes: int,
+                spec_tokens: dict[int, list[int]] | None = None) -> StepInput:
+        """Build the step's tensors. `scheduled` lists (sequence, new tokens), decodes first.
+
+        spec_tokens (speculative decoding): seq_id -> proposed tokens. Such a sequence (after the
+        decodes) runs its last token and the proposals as one causal query and samples at every
+        row: it appears once in sample_seqs per row, k+1 times in a row.
+        """
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -80,12 +86,20 @@ class ModelRunner:
             end = start + n
             query_start = len(input_ids)
             input_ids.extend(seq.token_ids[start:end])
+            proposal = spec_tokens.get(seq.seq_id) if spec_tokens else None
+            if proposal:
+                input_ids.extend(proposal)
+                n += len(proposal)
+                end += len(proposal)
             positions.extend(range(start, end))
             table = torch.tensor(seq.block_table[: (end + bs - 1) // bs], dtype=torch.long)
             context_slots = (table.unsqueeze(-1) * bs + self._block_offsets).view(-1)[:end]
             slot_parts.append(context_slots[start:end])
             prefills.append(PrefillSpan(query_start, n, end, context_slots))
-            if end == seq.num_tokens:  # the last chunk of the prompt samples the first token
+            if proposal:
+                sample_rows.extend(range(query_start, query_start + n))
+                sample_seqs.extend([seq] * n)
+            elif end == seq.num_tokens:  # the last chunk of the prompt samples the first token
                 sample_rows.append(query_start + n - 1)
                 sample_seqs.append(seq)
 

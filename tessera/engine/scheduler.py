@@ -42,6 +42,9 @@ class ScheduledSeq:
     # The chunk reaches the end of the sequence, so the step samples its next token. Fixed at
     # schedule time: update_after_step() moves num_computed_tokens on.
     samples: bool = field(init=False)
+    # Speculative decoding: KV slots also taken for this many proposed tokens after the last
+    # one (the step verifies them); the engine rolls back the ones the target rejects.
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.samples = self.num_new_tokens == self.seq.num_uncomputed_tokens
@@ -49,7 +52,7 @@ class ScheduledSeq:
     @property
     def is_decode(self) -> bool:
         """One token, the last one: shaped like a decode (a 1-token final prefill chunk too)."""
-        return self.samples and self.num_new_tokens == 1
+        return self.samples and self.num_new_tokens == 1 and not self.num_lookahead_tokens
 
 
 @dataclass
@@ -63,7 +66,7 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_new_tokens + s.num_lookahead_tokens for s in self.scheduled)
 
     @property
     def num_decodes(self) -> int:
@@ -151,7 +154,7 @@ class Scheduler:
 
     # ---- the step -----------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, lookahead: dict[int, int] | None = None) -> SchedulerOutput:
         """Pick this step's batch: running sequences oldest first, then waiting ones FCFS.
 
         No running decode is ever stalled by a long prompt: the budget covers a decode for every
@@ -159,6 +162,10 @@ class Scheduler:
         sequence is in the middle of its prefill, the newest (its last chunk took all the budget
         that was left, so nobody was admitted after it), so it is served after every decode.
         A step that had to preempt admits nobody: the pool is full.
+
+        lookahead (speculative decoding): seq_id -> proposed tokens a decoding sequence wants
+        to verify this step. Granted last, from the budget and free blocks left over: it never
+        preempts anyone nor delays an admission (see _grant_lookahead).
         """
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
@@ -175,12 +182,22 @@ class Scheduler:
                 budget -= num_new
         if not preempted:
             self._admit_waiting(budget, scheduled)
+            if lookahead:
+                self._grant_lookahead(scheduled, lookahead)
         return SchedulerOutput(
             scheduled=[s for s in scheduled if s.is_decode] + [s for s in scheduled if not s.is_decode],
             preempted=preempted,
             swap_out=self._swap_out,
             swap_in=self._swap_in,
         )
+
+    def _grant_lookahead(self, scheduled: list[ScheduledSeq], lookahead: dict[int, int]) -> None:
+        spare = self.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
+        for item in scheduled:
+            k = min(lookahead.get(item.seq.seq_id, 0), spare)
+            if k > 0 and item.is_decode and self.kv.allocate_slots(item.seq, 1 + k):
+                item.num_lookahead_tokens = k
+                spare -= k
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, preempted: list[Sequence]) -> bool:
         """Get seq's blocks for num_new more tokens, preempting the newest running sequences

@@ -18,6 +18,14 @@ def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) ->
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor | nn.Module, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a float weight; a quantized weight (a tessera.quant QuantLinear that
+    `quantize_model` put in the parameter's place) runs its own kernel."""
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, bias)
+    return weight(x, bias)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm with an optional fused residual add.
 
@@ -146,6 +154,6 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = _empty_param(hidden_size, intermediate_size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up_proj)
+        gate_up = linear(x, self.gate_up_proj)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj)
+        return linear(F.silu(gate) * up, self.down_proj)

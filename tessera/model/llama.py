@@ -16,7 +16,7 @@ from torch import nn
 from tessera.attention.backend import AttentionBackend, get_attention_backend
 from tessera.attention.metadata import AttentionMetadata
 from tessera.config import ModelConfig
-from tessera.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, _empty_param, apply_rotary
+from tessera.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, _empty_param, apply_rotary, linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -41,12 +41,12 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = linear(x, self.qkv_proj, self.qkv_bias)
         # Rotate q and k together: one set of elementwise ops for both.
         qk = apply_rotary(qkv[:, : (h + hkv) * d].view(num_tokens, h + hkv, d), cos, sin)
         v = qkv[:, (h + hkv) * d :].view(num_tokens, hkv, d)
         out = self.backend.forward(self.layer_idx, qk[:, :h], qk[:, h:], v, kv_cache, metadata, self.scale)
-        return F.linear(out, self.o_proj)
+        return linear(out, self.o_proj)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -129,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] (only the rows to sample) -> logits [n, vocab] in float32."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> list[KVCache]:
         """Zero-filled (k_cache, v_cache) per layer, each [num_blocks * block_size, Hkv, head_dim].

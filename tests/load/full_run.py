@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in rows:
         print(f"  {name:<40} {value}")
     check(s["errors"] == 0 and s["malformed"] == 0 and s["inconsistent_prompts"] == 0, "load: bad answers")
+    if s["errors"] or s["malformed"]:
+        print("server log (tail):\n" + s["server_log_tail"])
     check(is_idle(s["idle_metrics"]), "load: not idle afterwards")
     check(rss_ratio <= 1.10, "load: RSS not back within 10%")
 

@@ -167,6 +167,7 @@ def run_load_scenario(model_dir: Path, *, clients: int, duration: float, disconn
         summary["rss_before_kib"], summary["rss_after_kib"], summary["rss_peak_kib"] = rss_before, srv.rss_kib(), peak
         summary["healthy_after"] = httpx.get(srv.base_url + "/health", timeout=10).status_code == 200
         summary["exit_code"] = srv.stop()
+        summary["server_log_tail"] = "".join(srv.log[-60:])
     return summary
 
 
@@ -190,5 +191,7 @@ def run_overload_scenario(model_dir: Path, *, capacity_s: float, overload_s: flo
         idle = srv.wait_idle()
         rss_after = srv.rss_kib()
         exit_code = srv.stop()
+        log_tail = "".join(srv.log[-60:])
     return {"capacity": capacity, "overload": overload, "offered_rate": rate, "idle_metrics": idle,
-            "rss_before_kib": rss_before, "rss_peak_kib": peak, "rss_after_kib": rss_after, "exit_code": exit_code}
+            "rss_before_kib": rss_before, "rss_peak_kib": peak, "rss_after_kib": rss_after, "exit_code": exit_code,
+            "server_log_tail": log_tail}

@@ -222,3 +222,19 @@ def test_serve_records_a_trace_and_exports_the_autopilot(tiny_model_dir, tmp_pat
     assert read_trace(path)[0].arrival_time == 0.0
     assert 'tessera:autopilot_max_num_batched_tokens{model_name="tiny"}' in metrics
     assert app.state.autopilot.budget == app.state.engine.engine.scheduler.max_num_batched_tokens
+
+
+def test_a_budget_that_broke_itl_is_not_retried_for_ttft_at_once():
+    ap = pilot(slo_ttft_ms=100, slo_itl_ms=50, itl_memory_windows=3)
+
+    def window(itl: float, ttft: float) -> list:
+        for _ in range(10):
+            ap.record_itl(itl)
+        for _ in range(4):
+            ap.record_ttft(ttft)
+        return [c.new for c in ap.decide(0.0)]
+
+    assert window(0.080, 0.05) == [256]  # 512 broke ITL
+    assert window(0.010, 0.50) == []  # TTFT wants 512 back: not yet
+    assert window(0.010, 0.50) == [] and window(0.010, 0.50) == []
+    assert window(0.010, 0.50) == [512]  # three windows on, it is tried again

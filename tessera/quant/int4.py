@@ -1,0 +1,143 @@
+"""int4 weight-only quantization, group-wise with a scale and a zero point per group.
+
+Each run of `group_size` weights along a row (32, 64 or 128) has its own scale s and offset z:
+W[n, k] = (q[n, k] - 8) * s[n, g] + z[n, g], q in 0..15, g = k // group_size. This is the
+convention of PyTorch's int4 CPU kernel; min/max quantization gives s = (max - min) / 15 and
+z = min + 8 s. s and z are stored in bfloat16 (the kernel's format) and rounded to it before the
+codes are chosen, so every kernel computes with the same weight. GGUF's Q4_0 and Q4_1 blocks map
+onto this format with group size 32 (see gguf_native.py).
+
+The codes live only in the kernel's packed layout: [N, K / 2] bytes, rows taken in blocks of 32
+(AVX2) or 64 (AVX-512), each block stored k-major with row j in the low nibble and row j + B/2 in
+the high nibble of byte j (a tail block of 16..48 rows pairs rows 2i, 2i + 1). `unpack_codes`
+reads it back; `packed_layout()` checks which layout this build of torch writes.
+
+Kernels (measured on an AMD Zen 3 without AVX-512, one thread, weights cold in cache):
+- "int4pack": `aten._weight_int4pack_mm_for_cpu` with bf16 activations: 1.2-2x the float32 GEMM
+  at M <= 4 (it reads half a byte per weight), slower from M = 16 on; float32 or float16
+  activations are 10-100x slower (scalar code), so x goes in as bf16.
+- "dequant": unpack to float and run the float GEMM; for prefill-sized M the unpack is a small
+  fraction of the GEMM.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from tessera.quant.linear import QuantLinear
+
+# Largest M for which int4pack beats unpack + float32 GEMM (1.2-2.6x at M = 4, 0.7-0.8x at 16).
+INT4PACK_MAX_ROWS = 8
+_ROW_MULTIPLE = 16  # the kernel handles row blocks of 16, 32, 48 or 64
+
+
+def _pack_codes_for_kernel(q: torch.Tensor) -> torch.Tensor:
+    """q: uint8 codes [N, K] with N a multiple of 16 -> the int4 kernel's packed bytes [N, K / 2]."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+
+
+def unpack_codes(packed: torch.Tensor, n: int, k: int, block_rows: int) -> torch.Tensor:
+    """The inverse of the kernel's packing for row blocks of `block_rows` (see the module doc)."""
+    flat = packed.reshape(-1)
+    out = torch.empty(n, k, dtype=torch.uint8, device=packed.device)
+    full = n // block_rows if block_rows else 0
+    if full:
+        blocks = flat[: full * k * block_rows // 2].view(full, k, block_rows // 2)
+        rows = torch.cat([blocks & 15, blocks >> 4], dim=2)  # [blocks, K, block_rows]
+        out[: full * block_rows] = rows.permute(0, 2, 1).reshape(full * block_rows, k)
+    tail = n - full * block_rows
+    if tail:
+        t = flat[full * k * block_rows // 2 :].view(k, tail // 2)
+        out[full * block_rows :] = torch.stack([t & 15, t >> 4], dim=2).reshape(k, tail).t()
+    return out
+
+
+@functools.cache
+def packed_layout() -> int:
+    """Row block size of the packed layout this torch build writes: 64, 32, or 0 (pairs only).
+
+    Found by packing a probe and reading it back, so a torch that packs differently is caught at
+    start-up instead of computing with scrambled weights.
+    """
+    gen = torch.Generator().manual_seed(0)
+    probe = torch.randint(0, 16, (64 * 2 + 16, 64), dtype=torch.uint8, generator=gen)
+    packed = _pack_codes_for_kernel(probe)
+    for block_rows in (64, 32, 0):
+        if torch.equal(unpack_codes(packed, *probe.shape, block_rows), probe):
+            return block_rows
+    raise RuntimeError(
+        "this torch build packs int4 weights in a layout tessera cannot read back; "
+        "use --quantization int8 or w8a8, or the torch version pinned in the Makefile"
+    )
+
+
+class Int4Linear(QuantLinear):
+    method = "int4"
+    kernels = ("int4pack", "dequant")
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> None:
+        """codes: uint8 [out, in] in 0..15; scale, zero: [out, in / group_size] (kernel convention)."""
+        out_features, in_features = codes.shape
+        super().__init__(out_features, in_features)
+        if in_features % group_size:
+            raise ValueError(f"group size {group_size} does not divide in_features {in_features}; "
+                             f"choose a --quant-group-size that does (32 divides most)")
+        self.group_size = group_size
+        self.num_groups = in_features // group_size
+        self.padded_rows = -(-out_features // _ROW_MULTIPLE) * _ROW_MULTIPLE
+        pad = self.padded_rows - out_features
+        if pad:  # padding rows compute zeros and are sliced off
+            codes = torch.cat([codes, codes.new_full((pad, in_features), 8)])
+            scale = torch.cat([scale, scale.new_zeros(pad, self.num_groups)])
+            zero = torch.cat([zero, zero.new_zeros(pad, self.num_groups)])
+        self.register_buffer("packed", _pack_codes_for_kernel(codes))
+        # The kernel wants [groups, N, 2] = (scale, zero) pairs.
+        self.register_buffer("scales_zeros", torch.stack([scale, zero], dim=-1).transpose(0, 1).to(torch.bfloat16)
+                             .contiguous())
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, group_size: int) -> Int4Linear:
+        n, k = weight.shape
+        if k % group_size:
+            raise ValueError(f"group size {group_size} does not divide in_features {k}; "
+                             f"choose a --quant-group-size that does (32 divides most)")
+        w = weight.float().view(n, k // group_size, group_size)
+        lo, hi = w.amin(dim=2), w.amax(dim=2)
+        scale = ((hi - lo) / 15).to(torch.bfloat16).float()
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group
+        zero = (lo + 8 * scale).to(torch.bfloat16).float()
+        q = torch.round((w - zero[..., None]) / scale[..., None]) + 8
+        return cls(q.clamp_(0, 15).to(torch.uint8).view(n, k), scale, zero, group_size)
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> Int4Linear:
+        """Codes quantized elsewhere (GGUF blocks); scale and zero are rounded to bfloat16."""
+        return cls(codes, scale, zero, group_size)
+
+    def codes(self) -> torch.Tensor:
+        return unpack_codes(self.packed, self.padded_rows, self.in_features, packed_layout())[: self.out_features]
+
+    def _scale_zero(self) -> tuple[torch.Tensor, torch.Tensor]:
+        sz = self.scales_zeros[:, : self.out_features].float()  # [groups, N, 2]
+        return sz[..., 0].t().contiguous()[..., None], sz[..., 1].t().contiguous()[..., None]  # [N, groups, 1]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        scale, zero = self._scale_zero()
+        q = self.codes().to(torch.float32).sub_(8).view(self.out_features, self.num_groups, self.group_size)
+        return torch.addcmul(zero, q, scale).view(self.out_features, self.in_features).to(dtype)
+
+    def select_kernel(self, num_rows: int) -> str:
+        return "int4pack" if num_rows <= INT4PACK_MAX_ROWS else "dequant"
+
+    def run_kernel(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+        if kernel == "int4pack":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(torch.bfloat16), self.packed, self.group_size, self.scales_zeros
+            )
+            return y[:, : self.out_features].to(x.dtype)
+        if kernel == "dequant":
+            return F.linear(x, self.dequantize(x.dtype))
+        raise ValueError(f"unknown int4 kernel {kernel!r}; have {self.kernels}")

@@ -1,0 +1,64 @@
+"""int8 weight-only quantization: one symmetric scale per output channel, float activations.
+
+W[n, k] = scale[n] * q[n, k], q in [-127, 127]. The scales are rounded to bfloat16 when
+quantizing, so the bf16 kernel and the float32 one compute with the very same weight.
+
+Kernels, chosen by the number of rows M (measured on an AMD Zen 3 without AVX-512, one thread,
+weights cold in cache; `benchmarks/quant.py --kernels` re-measures):
+- "int8pack": `aten._weight_int8pack_mm` with bf16 activations. It reads 1 byte per weight and is
+  about 1.4x faster than the float32 GEMM at M = 1, but loses from M = 16 on (bf16 arithmetic is
+  emulated on this CPU). Fed float32 activations it is 5-10x slower still, so x goes in as bf16.
+- "dequant": convert the codes to the activation dtype and run the float GEMM, scaling the output
+  columns: the float32 GEMM's speed plus one conversion pass over the weight.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tessera.quant.linear import QuantLinear
+
+# Largest M for which int8pack beats dequantize + float32 GEMM (measured 1.2-1.9x at M = 4,
+# 0.7-0.9x at M = 16).
+INT8PACK_MAX_ROWS = 8
+
+
+def round_to_bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).float()
+
+
+class Int8Linear(QuantLinear):
+    method = "int8"
+    kernels = ("int8pack", "dequant")
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
+        """qweight: int8 [out, in]; scale: [out], representable in bfloat16."""
+        super().__init__(qweight.shape[0], qweight.shape[1])
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scale", scale.float().contiguous())
+        self.register_buffer("scale_bf16", scale.to(torch.bfloat16).contiguous())
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> Int8Linear:
+        w = weight.float()
+        scale = round_to_bf16(w.abs().amax(dim=1) / 127)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row
+        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        return cls(q, scale)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.float() * self.scale[:, None]
+
+    def select_kernel(self, num_rows: int) -> str:
+        if self.qweight.device.type == "cpu" and num_rows <= INT8PACK_MAX_ROWS:
+            return "int8pack"
+        return "dequant"
+
+    def run_kernel(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+        if kernel == "int8pack":
+            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale_bf16)
+            return y.to(x.dtype)
+        if kernel == "dequant":
+            return F.linear(x, self.qweight.to(x.dtype)).mul_(self.scale.to(x.dtype))
+        raise ValueError(f"unknown int8 kernel {kernel!r}; have {self.kernels}")

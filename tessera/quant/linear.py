@@ -1,0 +1,171 @@
+"""The quantized linear layer's contract, the registry of methods, and `quantize_model`.
+
+A `QuantLinear` holds one weight [out_features, in_features] in a quantized format and computes
+`x @ W.T` with whichever of its kernels is fastest for the number of rows in `x` (the kernel
+choice per row count was measured on the development CPU; `benchmarks/quant.py --kernels`
+re-measures it). The model calls it through `tessera.model.layers.linear`, which falls through to
+`F.linear` for a plain float weight, so an unquantized model runs exactly as before.
+
+`quantize_model` swaps the fused linear weights of a loaded `LlamaForCausalLM` (qkv, o, gate_up,
+down; the lm_head only when asked) for QuantLinear modules. A tied lm_head gets its own quantized
+copy; the embedding lookup keeps the float table.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from tessera.config import INT4_GROUP_SIZES, QUANTIZATION_METHODS
+
+logger = logging.getLogger("tessera")
+
+
+
+class QuantLinear(nn.Module, ABC):
+    """y = x @ W.T (+ bias) with W kept quantized.
+
+    Subclasses name their kernels in `kernels` (fastest-first is not implied) and pick one per
+    call in `select_kernel(num_rows)`. Every kernel must agree with `x @ dequantize().T` within
+    the tolerance the subclass documents; tests check each kernel against that reference.
+    """
+
+    method: str = ""
+    kernels: tuple[str, ...] = ()
+
+    def __init__(self, out_features: int, in_features: int) -> None:
+        super().__init__()
+        self.out_features = out_features
+        self.in_features = in_features
+
+    @abstractmethod
+    def select_kernel(self, num_rows: int) -> str:
+        """The kernel to run for a call with `num_rows` rows (tokens)."""
+
+    @abstractmethod
+    def run_kernel(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in_features] -> [M, out_features] in x's dtype, with the named kernel."""
+
+    @abstractmethod
+    def dequantize(self) -> torch.Tensor:
+        """The weight the kernels compute with, as float32 [out_features, in_features]."""
+
+    def weight_bytes(self) -> int:
+        """Bytes this layer's weight takes in memory (codes, scales, zero points, packing)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None, kernel: str | None = None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        y = self.run_kernel(kernel or self.select_kernel(rows.shape[0]), rows)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.method}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+# A quantizer turns a float weight [out, in] into a QuantLinear; `group_size` only matters to int4.
+Quantizer = Callable[[torch.Tensor, int], QuantLinear]
+
+
+def _quantizers() -> dict[str, Quantizer]:
+    from tessera.quant.int4 import Int4Linear
+    from tessera.quant.int8 import Int8Linear
+    from tessera.quant.w8a8 import W8A8Linear
+
+    return {
+        "int8": lambda w, group_size: Int8Linear.from_float(w),
+        "int4": lambda w, group_size: Int4Linear.from_float(w, group_size),
+        "w8a8": lambda w, group_size: W8A8Linear.from_float(w),
+    }
+
+
+def check_quantization_args(method: str, group_size: int) -> None:
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"--quantization {method!r} is not supported; choose one of {', '.join(QUANTIZATION_METHODS)}")
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(
+            f"--quant-group-size {group_size} is not supported; choose one of {', '.join(map(str, INT4_GROUP_SIZES))}"
+        )
+
+
+def linear_weight_slots(model: nn.Module, quantize_lm_head: bool) -> list[tuple[nn.Module, str, str]]:
+    """(owning module, attribute, HF-style description) of every weight `quantize_model` replaces."""
+    slots = []
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        slots += [
+            (attn, "qkv_proj", f"layers.{i}.qkv_proj"),
+            (attn, "o_proj", f"layers.{i}.o_proj"),
+            (mlp, "gate_up_proj", f"layers.{i}.gate_up_proj"),
+            (mlp, "down_proj", f"layers.{i}.down_proj"),
+        ]
+    if quantize_lm_head:
+        slots.append((model, "lm_head", "lm_head"))
+    return slots
+
+
+def replace_weight(owner: nn.Module, name: str, layer: nn.Module) -> None:
+    """Put `layer` where the Parameter `owner.<name>` was (a tied lm_head only loses its alias)."""
+    owner._parameters.pop(name, None)
+    setattr(owner, name, layer)
+
+
+@torch.no_grad()
+def quantize_model(
+    model: nn.Module,
+    method: str,
+    *,
+    quantize_lm_head: bool = False,
+    group_size: int = 32,
+    model_files=None,
+) -> nn.Module:
+    """Quantize a loaded LlamaForCausalLM in place and return it.
+
+    method: one of QUANTIZATION_METHODS. "gguf" needs `model_files`, the opened GGUF file the
+    model was loaded from: its quantized blocks replace the (dequantized) float weights.
+    """
+    check_quantization_args(method, group_size)
+    if method == "none":
+        return model
+    slots = linear_weight_slots(model, quantize_lm_head)
+    if method == "gguf":
+        from tessera.quant.gguf_native import gguf_linears
+
+        layers = gguf_linears(model, model_files, [desc for _, _, desc in slots])
+        for owner, name, desc in slots:
+            if desc in layers:  # block types without a native kernel keep their float weight
+                replace_weight(owner, name, layers[desc])
+    else:
+        quantize = _quantizers()[method]
+        layers = {}
+        for owner, name, desc in slots:
+            weight = getattr(owner, name)
+            try:
+                layers[desc] = quantize(weight.detach().float(), group_size)
+            except ValueError as e:
+                raise ValueError(f"cannot quantize {desc} {tuple(weight.shape)} with {method}: {e}") from e
+            replace_weight(owner, name, layers[desc])  # frees the float weight (not a tied embedding)
+    logger.info("quantized %d linear weights with %s%s: %.1f MiB of weights", len(layers), method,
+                " (lm_head included)" if quantize_lm_head else "", weight_memory_bytes(model) / 2**20)
+    return model
+
+
+def weight_memory_bytes(model: nn.Module) -> int:
+    """Bytes of every weight the model holds: float parameters (once each, tied ones once) plus
+    quantized layers' codes and scales."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            total += m.weight_bytes()
+    return total

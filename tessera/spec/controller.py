@@ -1,0 +1,204 @@
+"""Adaptive control: how many tokens each sequence speculates this step, 0 included.
+
+Speculation pays when the tokens it gains are worth more than the step time it adds. Both
+sides are measured, not assumed:
+
+- acceptance a: the probability that a proposed token is accepted given that the ones before it
+  were, estimated from recent verifications (decayed counts of accepted tokens and rejections,
+  shrunk toward a prior while there are few); decisions use it plus one standard error, so a
+  key is not dropped on the strength of one unlucky verification. The counts are kept per *acceptance key*: for
+  n-gram proposals the length of the match they come from (a 20-token match means the text is
+  copying a passage; a 1-token match is a guess), for a draft model the request. With k
+  proposals a verification yields (1 - a^(k+1)) / (1 - a) tokens in expectation, bonus included.
+- cost, per batch-size bucket: t0, the time of a plain decode step, and c(k), the time one
+  sequence speculating k tokens adds to a step, both moving averages of measured step times
+  (steps that carry prefill chunks are not measured). A c(k) not measured yet is read off the
+  measured ones: interpolated between them, and beyond them taken equal to the nearest one.
+  That guess is optimistic (verifying more tokens rarely costs less), so a k that might pay gets
+  tried, measured, and dropped if it does not: exploration costs a step or two per bucket.
+
+Each step the controller picks the k and the set S of sequences (those with the best expected
+gain first) that maximise tokens per second, (B + sum over S of (E_i(k) - 1)) / (t0 + |S| c(k)).
+k = 0 (plain decoding) competes on equal terms, so speculation switches off under large
+batches or low acceptance. A key whose candidates are left out is tried again now and then
+with one sequence, less often each time (up to every max_probe_interval steps), so
+speculation comes back when acceptance does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a verification of k proposals yields in expectation: 1 + a + ... + a^k."""
+    if acceptance >= 1.0:
+        return k + 1.0
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+def batch_bucket(batch_size: int) -> int:
+    """Costs are kept per bucket: exact up to 4 sequences, then powers of two (8, 16, 32...)."""
+    return batch_size if batch_size <= 4 else 1 << (batch_size - 1).bit_length()
+
+
+@dataclass
+class Candidate:
+    """A sequence that could speculate this step."""
+
+    seq_id: int
+    max_k: int  # the most tokens it can speculate now (proposal length, max_tokens, context)
+    key: Hashable  # whose acceptance statistics apply
+
+
+@dataclass
+class _Acceptance:
+    accepted: float = 0.0  # decayed count of accepted proposals
+    trials: float = 0.0  # decayed count of accepted proposals + rejections
+    probe_interval: int = 0
+    next_probe: int = 0
+
+
+@dataclass
+class _BucketCosts:
+    plain: float | None = None  # seconds of a plain decode step
+    extra: dict[int, float] = field(default_factory=dict)  # k -> seconds one speculating sequence adds
+
+    def extra_cost(self, k: int) -> float | None:
+        """c(k): measured, else interpolated, else the nearest measured one; None if none is."""
+        if k in self.extra:
+            return self.extra[k]
+        known = sorted(self.extra)
+        if not known:
+            return None
+        if k < known[0]:
+            return self.extra[known[0]]
+        if k > known[-1]:
+            return self.extra[known[-1]]
+        hi = next(j for j in known if j > k)
+        lo = max(j for j in known if j < k)
+        w = (k - lo) / (hi - lo)
+        return (1 - w) * self.extra[lo] + w * self.extra[hi]
+
+
+class SpeculationController:
+    """Chooses per-step speculation lengths from measured acceptance and step costs."""
+
+    def __init__(self, max_k: int, adaptive: bool = True, prior_acceptance: float = 0.5, prior_weight: float = 2.0,
+                 decay: float = 0.9, cost_smoothing: float = 0.3, probe_interval: int = 32,
+                 max_probe_interval: int = 512, min_probe_gain: float = 0.5) -> None:
+        self.max_k = max_k
+        self.adaptive = adaptive
+        self.prior_acceptance = prior_acceptance
+        self.prior_weight = prior_weight
+        self.decay = decay
+        self.cost_smoothing = cost_smoothing
+        self.base_probe_interval = probe_interval
+        self.max_probe_interval = max_probe_interval
+        self.min_probe_gain = min_probe_gain  # expected extra tokens that justify a first probe
+        self._acceptance: dict[Hashable, _Acceptance] = {}
+        self._costs: dict[int, _BucketCosts] = {}
+        self._step = 0
+        self._last_k = 0  # the k of the last plan: what its step time is attributed to
+
+    # ---- estimates ---------------------------------------------------------------------------
+
+    def acceptance(self, key: Hashable) -> float:
+        s = self._acceptance.get(key)
+        accepted, trials = (s.accepted, s.trials) if s is not None else (0.0, 0.0)
+        return (accepted + self.prior_acceptance * self.prior_weight) / (trials + self.prior_weight)
+
+    def optimistic_acceptance(self, key: Hashable) -> float:
+        """The estimate plus one standard error: what decisions use, so that a key judged on a
+        verification or two (one unlucky rejection) gets another chance before it is dropped."""
+        a = self.acceptance(key)
+        s = self._acceptance.get(key)
+        trials = s.trials if s is not None else 0.0
+        return min(1.0, a + (a * (1.0 - a) / (trials + self.prior_weight)) ** 0.5)
+
+    def costs(self, batch_size: int) -> _BucketCosts:
+        return self._costs.setdefault(batch_bucket(batch_size), _BucketCosts())
+
+    # ---- the decision ------------------------------------------------------------------------
+
+    def choose(self, candidates: list[Candidate], batch_size: int) -> dict[int, int]:
+        """seq_id -> k > 0 for the candidates that speculate this step.
+
+        batch_size: the running sequences this step (candidates or not).
+        """
+        self._step += 1
+        self._last_k = 0
+        if not candidates:
+            return {}
+        if not self.adaptive:
+            self._last_k = self.max_k
+            return {c.seq_id: c.max_k for c in candidates}
+        costs = self.costs(batch_size)
+        if costs.plain is None:
+            return {}  # measure a plain step of this bucket first
+        gains = {c.seq_id: [expected_tokens(self.optimistic_acceptance(c.key), min(k, c.max_k)) - 1.0
+                            for k in range(self.max_k + 1)] for c in candidates}
+        if not costs.extra:
+            # Nothing measured in this bucket: one sequence, the most promising, at its full k.
+            best = max(candidates, key=lambda c: gains[c.seq_id][c.max_k])
+            if gains[best.seq_id][best.max_k] < self.min_probe_gain:
+                return {}
+            self._last_k = best.max_k
+            return {best.seq_id: best.max_k}
+        best_rate, best_k, best_set = batch_size / costs.plain, 0, []
+        for k in range(1, self.max_k + 1):
+            extra = costs.extra_cost(k)
+            ranked = sorted(candidates, key=lambda c: gains[c.seq_id][k], reverse=True)
+            total = 0.0
+            for n, c in enumerate(ranked, 1):
+                total += gains[c.seq_id][k]
+                rate = (batch_size + total) / (costs.plain + n * extra)
+                if rate > best_rate:
+                    best_rate, best_k, best_set = rate, k, ranked[:n]
+        plan = {c.seq_id: min(best_k, c.max_k) for c in best_set}
+        self._probe_left_out(candidates, plan, best_k)
+        self._last_k = best_k or max(plan.values(), default=0)
+        return plan
+
+    def _probe_left_out(self, candidates: list[Candidate], plan: dict[int, int], best_k: int) -> None:
+        """Each acceptance key with no candidate in the plan is tried with one sequence now and
+        then, at exponentially growing intervals; a key that is in the plan resets its interval."""
+        chosen = {c.key for c in candidates if c.seq_id in plan}
+        for c in candidates:
+            stats = self._acceptance.setdefault(c.key, _Acceptance(next_probe=self._step + self.base_probe_interval))
+            if c.key in chosen:
+                stats.probe_interval = self.base_probe_interval
+                stats.next_probe = self._step + stats.probe_interval
+            elif self._step >= stats.next_probe:
+                plan[c.seq_id] = min(best_k or self.max_k, c.max_k)
+                stats.probe_interval = min(max(2 * stats.probe_interval, self.base_probe_interval),
+                                           self.max_probe_interval)
+                stats.next_probe = self._step + stats.probe_interval
+
+    # ---- feedback ----------------------------------------------------------------------------
+
+    def record_verification(self, key: Hashable, num_proposed: int, num_accepted: int) -> None:
+        s = self._acceptance.setdefault(key, _Acceptance(next_probe=self._step + self.base_probe_interval))
+        rejected = 1.0 if num_accepted < num_proposed else 0.0
+        s.accepted = s.accepted * self.decay + num_accepted
+        s.trials = s.trials * self.decay + num_accepted + rejected
+
+    def record_step(self, batch_size: int, num_speculating: int, seconds: float) -> None:
+        """A decode step's measured time: plain (num_speculating 0) or with speculation."""
+        if not self.adaptive:
+            return
+        costs = self.costs(batch_size)
+        a = self.cost_smoothing
+        if num_speculating == 0:
+            costs.plain = seconds if costs.plain is None else (1 - a) * costs.plain + a * seconds
+            return
+        if costs.plain is None or self._last_k == 0:
+            return
+        extra = max((seconds - costs.plain) / num_speculating, 1e-6)
+        old = costs.extra.get(self._last_k)
+        costs.extra[self._last_k] = extra if old is None else (1 - a) * old + a * extra
+
+    def forget(self, key: Hashable) -> None:
+        """Drop the acceptance statistics of a key that will not come back (a finished request)."""
+        self._acceptance.pop(key, None)
