@@ -10,6 +10,7 @@ only costs.
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -92,15 +93,24 @@ def _with_cache(requests: list[SimRequest], on: bool, cached: list[int]) -> list
             for r, c in zip(requests, cached, strict=True)]
 
 
-def _goodput(profile: Profile, cfg: dict, budget: int | None = None, cache_on: bool | None = None,
-             costs: StepCosts | None = None) -> float:
-    """Simulated goodput of the configuration decided so far, with one setting tried otherwise."""
+def _sim(profile: Profile, cfg: dict, budget: int | None = None, cache_on: bool | None = None,
+         costs: StepCosts | None = None):
+    """The simulated run of the configuration decided so far, with one setting tried otherwise."""
     on = cfg["enable_prefix_caching"] if cache_on is None else cache_on
     reqs = _with_cache(profile.requests, on, profile.prefix.cached_tokens)
-    costs = costs or _costs(profile, cfg)
-    sim = simulate(reqs, costs, budget or cfg["max_num_batched_tokens"], cfg["max_num_seqs"],
-                   kv_capacity_tokens=profile.engine["kv_pool_tokens"], block_size=cfg["block_size"])
-    return sim.goodput(*_slo(profile))
+    return simulate(reqs, costs or _costs(profile, cfg), budget or cfg["max_num_batched_tokens"], cfg["max_num_seqs"],
+                    kv_capacity_tokens=profile.engine["kv_pool_tokens"], block_size=cfg["block_size"])
+
+
+def _goodput(profile: Profile, cfg: dict, budget: int | None = None, cache_on: bool | None = None,
+             costs: StepCosts | None = None) -> float:
+    return _sim(profile, cfg, budget, cache_on, costs).goodput(*_slo(profile))
+
+
+def _lateness(profile: Profile, sim) -> float:
+    """Mean of TTFT / its objective + ITL / its objective: how far from meeting them, when nothing does."""
+    ttft_s, itl_s = _slo(profile)
+    return statistics.fmean(o.ttft / ttft_s + (o.itl or 0.0) / itl_s for o in sim.outcomes)
 
 
 # ---- 1. memory --------------------------------------------------------------------------------
@@ -169,11 +179,15 @@ def _bytes(n: float) -> str:
 def _prefix(p: Profile, cfg: dict) -> Decision:
     hit = p.prefix.hit_rate
     on = hit >= PREFIX_HIT_RATE_MIN
-    g_on, g_off = _goodput(p, cfg, cache_on=True), _goodput(p, cfg, cache_on=False)
+    s_on, s_off = _sim(p, cfg, cache_on=True), _sim(p, cfg, cache_on=False)
+    g_on, g_off = s_on.goodput(*_slo(p)), s_off.goodput(*_slo(p))
+    ttft_on = statistics.fmean(o.ttft for o in s_on.outcomes) * 1e3
+    ttft_off = statistics.fmean(o.ttft for o in s_off.outcomes) * 1e3
     settings = {"enable_prefix_caching": on}
     cfg.update(settings)
     if on:
-        gain = (f"{hit:.0%} fewer prefill tokens; simulated goodput {g_off:.2f} -> {g_on:.2f} req/s")
+        gain = (f"{hit:.0%} fewer prefill tokens; simulated mean TTFT {ttft_off:.0f} -> {ttft_on:.0f} ms, goodput "
+                f"{g_off:.2f} -> {g_on:.2f} req/s")
     else:
         gain = "no hashing or cache bookkeeping on prompts that never repeat"
     return Decision(
@@ -189,10 +203,16 @@ def _heterogeneity(p: Profile, cfg: dict) -> Decision:
     h = p.heterogeneity
     current = cfg["max_num_batched_tokens"]
     candidates = sorted({b for b in CHUNK_BUDGETS if b >= min(cfg["max_num_seqs"], 64)} | {current})
-    scores = {b: _goodput(p, cfg, budget=b) for b in candidates}
+    sims = {b: _sim(p, cfg, budget=b) for b in candidates}
+    scores = {b: sim.goodput(*_slo(p)) for b, sim in sims.items()}
     best = max(scores.values())
-    ties = [b for b, g in scores.items() if g >= best * (1 - BUDGET_TIE)]
-    budget = current if current in ties else max(ties, key=lambda b: (scores[b], -abs(b - current)))
+    if best > 0:
+        ties = [b for b, g in scores.items() if g >= best * (1 - BUDGET_TIE)]
+        budget = current if current in ties else max(ties, key=lambda b: (scores[b], -abs(b - current)))
+    else:  # nothing meets the objectives (overload): come closest to them
+        late = {b: _lateness(p, sim) for b, sim in sims.items()}
+        least = min(late, key=late.get)
+        budget = least if late[least] < late[current] * (1 - BUDGET_TIE) else current
     settings = {"max_num_batched_tokens": budget}
     cfg.update(settings)
     shape = "heterogeneous" if h.static_waste > STATIC_WASTE_HIGH else "uniform"
@@ -204,7 +224,7 @@ def _heterogeneity(p: Profile, cfg: dict) -> Decision:
         f"(prompt p50/p99 {h.prompt_len.p50:.0f}/{h.prompt_len.p99:.0f}, output p50/p99 "
         f"{h.output_len.p50:.0f}/{h.output_len.p99:.0f}); simulated goodput by budget {{{table}}}",
         f"static waste > {STATIC_WASTE_HIGH:.0%} = heterogeneous; budget: best simulated goodput, ties "
-        f"within {BUDGET_TIE:.0%} keep {current}",
+        f"within {BUDGET_TIE:.0%} keep {current} (if none meets the objectives: the least late)",
         f"{1 / (1 - h.static_waste):.2f}x the useful tokens per slot of static batching; goodput "
         f"{scores[current]:.2f} -> {scores[budget]:.2f} req/s", settings)
 

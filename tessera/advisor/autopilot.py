@@ -7,8 +7,10 @@ is single-threaded, so changing it there is safe), and it changes two knobs:
   window of `prefix_window_tokens` looked-up tokens, back on when a shadow index (the same
   chained block hashes, cheap ones, in an LRU as large as the KV pool) would have hit at least
   `hit_rate_on` over a window while it was off;
-- the chunked-prefill token budget: halved while the p90 inter-token latency exceeds the ITL
-  objective, doubled while the p90 TTFT exceeds its objective and ITL has room.
+- the chunked-prefill token budget: cut while the p99 of the window's inter-token gaps exceeds
+  the ITL objective (in proportion, to the power of two under budget x objective / measured),
+  doubled while the p90 TTFT exceeds its objective and ITL has room, never straight back to a
+  budget that broke the ITL objective a short while ago.
 
 The decision half (`record_*` then `decide`) touches no engine, so tests feed it metric
 sequences; `apply` is the only code that changes an engine. Every change is logged with its
@@ -35,7 +37,10 @@ class AutopilotConfig:
     prefix_window_tokens: int = 8192  # prompt tokens looked up per prefix decision
     itl_window: int = 64  # inter-token gaps per latency decision
     ttft_window: int = 16  # first tokens per latency decision
-    itl_slack: float = 0.6  # the budget grows for TTFT only while p90 ITL < this x the ITL objective
+    itl_slack: float = 0.6  # the budget grows for TTFT only while the ITL figure < this x the ITL objective
+    # The percentile of the window's inter-token gaps held to the ITL objective: 99, as the
+    # advisor's goodput counts a request whose p99 gap breaks it.
+    itl_percentile: float = 99.0
     min_budget: int = 64
     max_budget: int = 8192
     # A budget that broke the ITL objective is not tried again for TTFT for this many latency
@@ -99,7 +104,7 @@ class Autopilot:
         self._itl: list[float] = []
         self._ttft: list[float] = []
         self.last_hit_rate: float | None = None
-        self.last_p90_itl: float | None = None
+        self.last_itl: float | None = None  # the window's itl_percentile gap, seconds
         self.last_p90_ttft: float | None = None
         self._itl_ceiling: int | None = None  # the smallest budget seen breaking the ITL objective
         self._ceiling_age = 0
@@ -178,18 +183,21 @@ class Autopilot:
             return []
         if len(self._itl) < cfg.itl_window and len(self._ttft) < cfg.ttft_window:
             return []
-        itl = percentile(self._itl, 90) if self._itl else None
+        itl = percentile(self._itl, cfg.itl_percentile) if self._itl else None
         ttft = percentile(self._ttft, 90) if self._ttft else None
-        self.last_p90_itl, self.last_p90_ttft = itl, ttft
+        self.last_itl, self.last_p90_ttft = itl, ttft
         self._itl, self._ttft = [], []
         self._ceiling_age += 1
         if self._ceiling_age > cfg.itl_memory_windows:
             self._itl_ceiling = None
         old = self.budget
         new, reason = old, ""
+        q = f"p{cfg.itl_percentile:g}"
         if cfg.slo_itl_ms is not None and itl is not None and itl * 1e3 > cfg.slo_itl_ms:
-            new = max(cfg.min_budget, old // 2)
-            reason = f"p90 ITL {itl * 1e3:.1f} ms > objective {cfg.slo_itl_ms:g} ms"
+            # A step's time grows about linearly with its chunk: aim under the objective at once.
+            target = old * cfg.slo_itl_ms / (itl * 1e3) * 0.9
+            new = max(cfg.min_budget, min(old // 2, 1 << max(0, int(target).bit_length() - 1)))
+            reason = f"{q} ITL {itl * 1e3:.1f} ms > objective {cfg.slo_itl_ms:g} ms"
             self._itl_ceiling, self._ceiling_age = min(old, self._itl_ceiling or old), 0
         elif (cfg.slo_ttft_ms is not None and ttft is not None and ttft * 1e3 > cfg.slo_ttft_ms
               and (cfg.slo_itl_ms is None or itl is None or itl * 1e3 < cfg.itl_slack * cfg.slo_itl_ms)):
@@ -198,7 +206,7 @@ class Autopilot:
                 new = old  # that budget broke the ITL objective a short while ago
             reason = f"p90 TTFT {ttft * 1e3:.1f} ms > objective {cfg.slo_ttft_ms:g} ms"
             if itl is not None:
-                reason += f", p90 ITL {itl * 1e3:.1f} ms leaves room"
+                reason += f", {q} ITL {itl * 1e3:.1f} ms leaves room"
         if new == old:
             return []
         self.budget = new
@@ -271,8 +279,8 @@ class Autopilot:
                             autopilot.budget)
                 yield gauge("tessera:autopilot_window_hit_rate", "Prefix hit rate of the last decision window "
                             "(the shadow index's while caching is off).", autopilot.last_hit_rate)
-                yield gauge("tessera:autopilot_window_p90_itl_seconds", "p90 inter-token latency of the last window.",
-                            autopilot.last_p90_itl)
+                yield gauge("tessera:autopilot_window_itl_seconds", f"p{autopilot.config.itl_percentile:g} of the "
+                            "inter-token gaps of the last window.", autopilot.last_itl)
                 yield gauge("tessera:autopilot_window_p90_ttft_seconds", "p90 TTFT of the last window.",
                             autopilot.last_p90_ttft)
                 c = CounterMetricFamily("tessera:autopilot_changes", "Settings the autopilot changed, by knob.",

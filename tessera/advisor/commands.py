@@ -37,14 +37,14 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_SLO_TTFT_MS, help="time-to-first-token objective")
     p.add_argument("--slo-itl-ms", type=float, default=DEFAULT_SLO_ITL_MS, help="inter-token latency objective")
     p.add_argument("--remeasure", action="store_true", help="time the model's steps again instead of using the cache")
-    p.add_argument("--quant-candidates", default="all",
-                   help="quantization modes whose step times are measured for the speed comparison: 'all' (every "
-                        "mode this build offers for the model), 'none', or a comma-separated list")
+    p.add_argument("--quant-candidates", default="none",
+                   help="quantization modes to time for a speed comparison (stage 1), e.g. int8,w8a8, or 'all' (every "
+                        "mode this build offers for the model); default none: quantization only when memory needs it")
     add_engine_arguments(p)
 
 
 def _run_profile(args: argparse.Namespace):
-    from tessera.advisor.profile import load_model_info, measure_step_costs, profile_trace, quantization_modes
+    from tessera.advisor.profile import load_model_info, measure_costs_by_mode, profile_trace, quantization_modes
     from tessera.advisor.trace import read_trace
 
     trace = read_trace(args.trace)
@@ -55,16 +55,16 @@ def _run_profile(args: argparse.Namespace):
         from tessera.model.tokenizer import Tokenizer
 
         tokenizer = Tokenizer(info.path, info.config)
-    costs = measure_step_costs(info, args.dtype, args.num_threads, use_cache=not args.remeasure)
     available = quantization_modes(info.path)
     wanted = available if args.quant_candidates == "all" else args.quant_candidates.split(",")
     unknown = set(wanted) - set(available)
     if unknown:
         raise SystemExit(f"--quant-candidates: {', '.join(sorted(unknown))} not available; choose from "
                          f"{', '.join(available)}")
-    by_mode = {mode: measure_step_costs(info, args.dtype, args.num_threads, use_cache=not args.remeasure,
-                                        quantization=mode) for mode in wanted if mode != "none"}
-    return profile_trace(trace, info, costs, config, args.slo_ttft_ms, args.slo_itl_ms, tokenizer,
+    modes = ["none", *(m for m in wanted if m != "none")]
+    by_mode = measure_costs_by_mode(info, modes, args.dtype, args.num_threads, use_cache=not args.remeasure,
+                                    rounds=2 if len(modes) > 1 else 1)
+    return profile_trace(trace, info, by_mode.pop("none"), config, args.slo_ttft_ms, args.slo_itl_ms, tokenizer,
                          costs_by_mode=by_mode)
 
 

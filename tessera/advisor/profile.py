@@ -139,33 +139,60 @@ def _costs_cache_file() -> Path:
     return cache_dir() / "advisor" / "step_costs.json"
 
 
+def _cache_key(info: ModelInfo, num_threads: int | None, quantization: str) -> str:
+    st = info.path.stat()
+    threads = num_threads or torch.get_num_threads()
+    return (f"{info.path.resolve()}|{st.st_size}|{int(st.st_mtime)}|{info.dtype}|{threads}|{torch.__version__}"
+            f"|{quantization}")
+
+
+def _read_cache() -> dict:
+    try:
+        return json.loads(_costs_cache_file().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(entries: dict[str, StepCosts]) -> None:
+    cache_file = _costs_cache_file()
+    cache = _read_cache()
+    cache.update({k: dataclasses.asdict(v) for k, v in entries.items()})
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1))
+        tmp.replace(cache_file)
+    except OSError as exc:
+        logger.warning("could not cache step costs in %s: %s", cache_file, exc)
+
+
 def measure_step_costs(info: ModelInfo, dtype: str = "auto", num_threads: int | None = None,
                        use_cache: bool = True, quantization: str = "none") -> StepCosts:
     """Time prefill chunks and decode steps of the real engine, fit the step cost model, cache it."""
-    st = info.path.stat()
-    threads = num_threads or torch.get_num_threads()
-    key = (f"{info.path.resolve()}|{st.st_size}|{int(st.st_mtime)}|{info.dtype}|{threads}|{torch.__version__}"
-           f"|{quantization}")
-    cache_file = _costs_cache_file()
-    cache = {}
-    if use_cache and cache_file.exists():
-        try:
-            cache = json.loads(cache_file.read_text())
-        except (OSError, ValueError):
-            cache = {}
-        if key in cache:
-            return StepCosts(**cache[key])
-    costs = _time_steps(info, dtype, num_threads, quantization)
+    return measure_costs_by_mode(info, [quantization], dtype, num_threads, use_cache, rounds=1)[quantization]
+
+
+def measure_costs_by_mode(info: ModelInfo, modes: list[str], dtype: str = "auto", num_threads: int | None = None,
+                          use_cache: bool = True, rounds: int = 2) -> dict[str, StepCosts]:
+    """Step costs of each quantization mode, timed in alternation over `rounds` rounds, each
+    figure the smallest seen: on a shared machine, load that comes and goes falls on every mode
+    alike rather than on whichever was being timed at that moment. Cached per model, dtype,
+    threads, torch version and mode."""
+    keys = {mode: _cache_key(info, num_threads, mode) for mode in modes}
+    cache = _read_cache() if use_cache else {}
+    if all(k in cache for k in keys.values()):
+        return {mode: StepCosts(**cache[k]) for mode, k in keys.items()}
+    best: dict[str, StepCosts] = {}
+    for _ in range(rounds):
+        for mode in modes:
+            c = _time_steps(info, dtype, num_threads, mode)
+            b = best.get(mode, c)
+            best[mode] = dataclasses.replace(c, base_s=min(b.base_s, c.base_s),
+                                             per_decode_s=min(b.per_decode_s, c.per_decode_s),
+                                             per_prefill_token_s=min(b.per_prefill_token_s, c.per_prefill_token_s))
     if use_cache:
-        cache[key] = dataclasses.asdict(costs)
-        try:
-            cache_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(cache, indent=1))
-            tmp.replace(cache_file)
-        except OSError as exc:
-            logger.warning("could not cache step costs in %s: %s", cache_file, exc)
-    return costs
+        _write_cache({keys[m]: c for m, c in best.items()})
+    return best
 
 
 def _time_steps(info: ModelInfo, dtype: str, num_threads: int | None, quantization: str = "none") -> StepCosts:

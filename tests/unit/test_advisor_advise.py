@@ -196,3 +196,17 @@ def test_quantization_only_for_memory_or_a_clear_speed_gain(info):
     assert profile.memory.kv_tokens_fit["none"] < need <= profile.memory.kv_tokens_fit["int4"]
     advice = advise(profile)
     assert advice.config["quantization"] in ("int4", "int8", "w8a8") and "free memory" in decision(advice, "1").decision
+
+
+def test_under_overload_the_budget_comes_closest_to_the_objectives(info):
+    from tessera.advisor.advise import _lateness, _sim
+
+    costs = StepCosts(base_s=1e-3, per_decode_s=1e-4, per_prefill_token_s=1e-4)
+    trace = synthesize("mixed", 40, rate=20.0, seed=1, vocab_size=info.config.vocab_size, length_scale=1.0)
+    profile, advice = run(info, trace, slo_ttft_ms=0.01, slo_itl_ms=0.01, costs=costs)  # nobody can meet these
+    chosen = advice.config["max_num_batched_tokens"]
+    cfg = {**advice.config, "max_num_seqs": 64, "block_size": 16}
+    late = {b: _lateness(profile, _sim(profile, cfg, budget=b)) for b in CHUNK_BUDGETS}
+    assert all(g == 0 for g in [_sim(profile, cfg, budget=b).goodput(1e-5, 1e-5) for b in CHUNK_BUDGETS])
+    least = min(late, key=late.get)
+    assert chosen == (least if late[least] < 0.97 * late[512] else 512)
