@@ -12,8 +12,9 @@ Rows: no speculation, then n-gram with k fixed (speculating whenever a proposal 
 n-gram adaptive (the controller picks 0..k each step), and the same for a draft model when
 --draft-model is given (k <= 4; `--draft-model self --draft-quantization int8` drafts with a
 quantized copy of the target). Tokens/s counts generated tokens over the wall time of the whole batch,
-prefill included. One model load serves every row: the engine's speculative decoder is swapped
-between rows.
+prefill included; the machine is shared, so the plain and adaptive rows are run several times,
+alternating, and their medians compared; tokens per CPU-second of this process are shown too. One model load serves every row: the engine's speculative decoder is
+swapped between rows.
 
     flock /tmp/tessera-bench.lock python benchmarks/speculative.py --num-threads 1
 """
@@ -147,6 +148,7 @@ def set_speculation(engine: LLMEngine, method: str | None, k: int, adaptive: boo
 
 def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) -> dict:
     start = time.perf_counter()
+    cpu_start = time.process_time()
     for i, (prompt, params) in enumerate(requests):
         engine.add_request(f"r{i}", prompt, params)
     outputs = {}
@@ -155,10 +157,12 @@ def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) -> 
             if out.finished:
                 outputs[out.request_id] = out.outputs[0].token_ids
     wall = time.perf_counter() - start
+    cpu = time.process_time() - cpu_start
     stats = engine.stats()
     tokens = sum(len(t) for t in outputs.values())
     steps = stats.spec_num_steps_on + stats.spec_num_steps_off
-    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+    return {"wall_s": wall, "cpu_s": cpu, "tokens": tokens, "tokens_per_s": tokens / wall,
+            "tokens_per_cpu_s": tokens / cpu,
             "acceptance": stats.spec_acceptance_rate, "mean_accepted": stats.spec_mean_accepted_length,
             "steps_on_frac": stats.spec_num_steps_on / steps if steps else 0.0, "outputs": outputs}
 
@@ -169,10 +173,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--workloads", default="copy,story")
     ap.add_argument("--batch-sizes", default="1,16")
-    ap.add_argument("--ks", default="2,4,8", help="fixed k rows at batch 1; adaptive uses the largest as its maximum")
+    ap.add_argument("--ks", default="4,8,16", help="fixed k rows at batch 1; adaptive uses the largest as its maximum")
     ap.add_argument("--batched-ks", default="2",
                     help="fixed k rows at batch > 1 (a verify of batch x (k+1) tokens is slow on a CPU: keep few)")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batched-max-tokens", type=int, default=64, help="max tokens per request at batch > 1")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of the plain and adaptive rows (median kept)")
     ap.add_argument("--draft-model", default=None,
                     help="also run --speculative-method draft with this model (self: the target itself)")
     ap.add_argument("--draft-quantization", default="none", help="quantization of the draft model, e.g. int8")
@@ -194,28 +200,43 @@ def main() -> None:
 
     run(engine, workload(engine, "copy", 1, 8))  # warm-up: first-call allocations, caches
     rows = []
-    header = f"{'workload':8} {'batch':>5} {'method':8} {'k':>3} {'mode':8} {'tok/s':>8} {'accept':>7} " \
-             f"{'acc/ver':>7} {'spec on':>7} {'speedup':>8}"
+    header = f"{'workload':8} {'batch':>5} {'method':8} {'k':>3} {'mode':8} {'tok/s':>7} {'accept':>6} " \
+             f"{'acc/ver':>7} {'spec on':>7} {'speedup':>7} {'cpu':>6}"
     print(header)
     print("-" * len(header))
     for name in args.workloads.split(","):
         for batch in [int(b) for b in args.batch_sizes.split(",")]:
-            requests = workload(engine, name, batch, args.max_tokens)
-            baseline = None
-            for method, k, adaptive in rows_for(batch):
+            requests = workload(engine, name, batch, args.max_tokens if batch == 1 else args.batched_max_tokens)
+            configs = rows_for(batch)
+            runs: list[list[dict]] = [[] for _ in configs]
+            for i, (method, k, adaptive) in enumerate(configs):
                 set_speculation(engine, method, k, adaptive, args.draft_model, args.draft_quantization)
-                r = run(engine, requests)
-                baseline = baseline or r
+                runs[i].append(run(engine, requests))
+            # The machine is shared and its load drifts: plain and adaptive get more runs,
+            # alternating, and their medians are compared.
+            for _ in range(args.repeats - 1):
+                for i, (method, k, adaptive) in enumerate(configs):
+                    if method is None or adaptive:
+                        set_speculation(engine, method, k, adaptive, args.draft_model, args.draft_quantization)
+                        runs[i].append(run(engine, requests))
+            results = [sorted(r, key=lambda x: x["tokens_per_s"])[len(r) // 2] for r in runs]
+            baseline = results[0]
+            for (method, k, adaptive), r in zip(configs, results, strict=True):
                 same = r["outputs"] == baseline["outputs"]
                 row = {"workload": name, "batch": batch, "method": method or "none", "k": k,
                        "mode": "adaptive" if adaptive else ("fixed" if method else "-"),
-                       "speedup": r["tokens_per_s"] / baseline["tokens_per_s"], "same_tokens": same,
+                       "speedup": r["tokens_per_s"] / baseline["tokens_per_s"],
+                       "cpu_speedup": r["tokens_per_cpu_s"] / baseline["tokens_per_cpu_s"], "same_tokens": same,
+                       "runs": len(runs[configs.index((method, k, adaptive))]),
                        **{key: v for key, v in r.items() if key != "outputs"}}
                 rows.append(row)
                 print(f"{name:8} {batch:>5} {row['method']:8} {k or '-':>3} {row['mode']:8} "
-                      f"{r['tokens_per_s']:>8.1f} {r['acceptance']:>7.2f} {r['mean_accepted']:>7.2f} "
-                      f"{r['steps_on_frac']:>7.0%} {row['speedup']:>7.2f}x" + ("" if same else "  (tokens differ)"),
-                      flush=True)
+                      f"{r['tokens_per_s']:>7.1f} {r['acceptance']:>6.2f} {r['mean_accepted']:>7.2f} "
+                      f"{r['steps_on_frac']:>7.0%} {row['speedup']:>6.2f}x {row['cpu_speedup']:>5.2f}x"
+                      + ("" if same else "  (tokens differ)"), flush=True)
+    print(f"\nnone and adaptive: median of {args.repeats} alternating runs. speedup: tok/s over none's; cpu: the "
+          "same in tokens per CPU-second of this process (insensitive to other load on the machine). "
+          "acc/ver: accepted proposals per verification; spec on: share of decode steps that speculated.")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))

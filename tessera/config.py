@@ -113,7 +113,7 @@ class EngineConfig:
     # smaller model with the same tokenizer, draft_model). Up to num_speculative_tokens proposals
     # per step; adaptive picks 0..k per step from measured acceptance and step costs.
     speculative_method: str | None = None
-    num_speculative_tokens: int = 5
+    num_speculative_tokens: int = 8
     speculative_adaptive: bool = True
     draft_model: str | None = None  # "self": the target's own weights, with draft_quantization
     draft_quantization: str = "none"

@@ -37,7 +37,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="how a preempted sequence gets its KV back (auto: swap when cheaper; needs --swap-space)")
     p.add_argument("--speculative-method", choices=["ngram", "draft"], default=None,
                    help="speculative decoding: ngram (prompt lookup, no extra model) or draft (--draft-model)")
-    p.add_argument("--num-speculative-tokens", type=int, default=5, help="most tokens proposed per step (k)")
+    p.add_argument("--num-speculative-tokens", type=int, default=8, help="most tokens proposed per step (k)")
     p.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=True,
                    help="pick 0..k per step from measured acceptance and step costs (off: always k)")
     p.add_argument("--draft-model", default=None,

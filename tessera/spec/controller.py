@@ -4,12 +4,15 @@ Speculation pays when the tokens it gains are worth more than the step time it a
 sides are measured, not assumed:
 
 - acceptance a: the probability that a proposed token is accepted given that the ones before it
-  were, estimated from recent verifications (decayed counts of accepted tokens and rejections,
-  shrunk toward a prior while there are few); decisions use it plus one standard error, so a
-  key is not dropped on the strength of one unlucky verification. The counts are kept per *acceptance key*: for
-  n-gram proposals the length of the match they come from (a 20-token match means the text is
-  copying a passage; a 1-token match is a guess), for a draft model the request. With k
-  proposals a verification yields (1 - a^(k+1)) / (1 - a) tokens in expectation, bonus included.
+  were, from recent verifications (decayed counts of accepted tokens and rejections). Counts are
+  kept per key within a group, and a key's estimate is shrunk toward its group's while it has
+  few trials: for n-gram proposals the key is (request, length of the match the proposal comes
+  from) in the group of that match length over all requests (a 20-token match means the text is
+  copying a passage, a 1-token match is a guess; and a request that is rewriting its prompt gets
+  short matches accepted too), for a draft model the request in the group of all requests.
+  Decisions use the estimate plus one standard error, so a key is not dropped on the strength
+  of one unlucky verification. With k proposals a verification yields (1 - a^(k+1)) / (1 - a)
+  tokens in expectation, bonus token included.
 - cost, per batch-size bucket: t0, the time of a plain decode step, and c(k), the time one
   sequence speculating k tokens adds to a step, both moving averages of measured step times
   (steps that carry prefill chunks are not measured). A c(k) not measured yet is read off the
@@ -49,11 +52,15 @@ class Candidate:
 
     seq_id: int
     max_k: int  # the most tokens it can speculate now (proposal length, max_tokens, context)
-    key: Hashable  # whose acceptance statistics apply
+    key: Hashable  # whose acceptance statistics apply (e.g. this request's n-gram matches of this length)
+    group: Hashable | None = None  # a coarser key whose estimate is the key's prior (all requests' ...)
+    prior: float | None = None  # the group's (or key's) acceptance before any data; None: the controller's
 
 
 @dataclass
 class _Acceptance:
+    prior: float
+    group: Hashable | None = None  # when set, the group's current estimate replaces `prior`
     accepted: float = 0.0  # decayed count of accepted proposals
     trials: float = 0.0  # decayed count of accepted proposals + rejections
     probe_interval: int = 0
@@ -86,8 +93,8 @@ class SpeculationController:
     """Chooses per-step speculation lengths from measured acceptance and step costs."""
 
     def __init__(self, max_k: int, adaptive: bool = True, prior_acceptance: float = 0.5, prior_weight: float = 2.0,
-                 decay: float = 0.9, cost_smoothing: float = 0.3, probe_interval: int = 32,
-                 max_probe_interval: int = 512, min_probe_gain: float = 0.5) -> None:
+                 decay: float = 0.9, cost_smoothing: float = 0.3, probe_interval: int = 256,
+                 max_probe_interval: int = 4096, min_probe_gain: float = 1.0) -> None:
         self.max_k = max_k
         self.adaptive = adaptive
         self.prior_acceptance = prior_acceptance
@@ -98,6 +105,7 @@ class SpeculationController:
         self.max_probe_interval = max_probe_interval
         self.min_probe_gain = min_probe_gain  # expected extra tokens that justify a first probe
         self._acceptance: dict[Hashable, _Acceptance] = {}
+        self._keys_of_seq: dict[int, set[Hashable]] = {}
         self._costs: dict[int, _BucketCosts] = {}
         self._step = 0
         self._last_k = 0  # the k of the last plan: what its step time is attributed to
@@ -105,9 +113,25 @@ class SpeculationController:
     # ---- estimates ---------------------------------------------------------------------------
 
     def acceptance(self, key: Hashable) -> float:
+        """The key's estimate, shrunk toward its group's (or its prior) while it has few trials."""
         s = self._acceptance.get(key)
-        accepted, trials = (s.accepted, s.trials) if s is not None else (0.0, 0.0)
-        return (accepted + self.prior_acceptance * self.prior_weight) / (trials + self.prior_weight)
+        if s is None:
+            return self.prior_acceptance
+        prior = self.acceptance(s.group) if s.group is not None else s.prior
+        return (s.accepted + prior * self.prior_weight) / (s.trials + self.prior_weight)
+
+    def _stats(self, key: Hashable, candidate: Candidate | None = None) -> _Acceptance:
+        s = self._acceptance.get(key)
+        if s is None:
+            prior = self.prior_acceptance if candidate is None or candidate.prior is None else candidate.prior
+            group = candidate.group if candidate is not None else None
+            if group is not None:
+                self._stats(group, Candidate(candidate.seq_id, 0, group, None, candidate.prior))
+            s = self._acceptance[key] = _Acceptance(prior=prior, group=group,
+                                                    next_probe=self._step + self.base_probe_interval)
+            if candidate is not None and group is not None:
+                self._keys_of_seq.setdefault(candidate.seq_id, set()).add(key)
+        return s
 
     def optimistic_acceptance(self, key: Hashable) -> float:
         """The estimate plus one standard error: what decisions use, so that a key judged on a
@@ -129,6 +153,8 @@ class SpeculationController:
         """
         self._step += 1
         self._last_k = 0
+        for c in candidates:
+            self._stats(c.key, c)
         if not candidates:
             return {}
         if not self.adaptive:
@@ -166,7 +192,7 @@ class SpeculationController:
         then, at exponentially growing intervals; a key that is in the plan resets its interval."""
         chosen = {c.key for c in candidates if c.seq_id in plan}
         for c in candidates:
-            stats = self._acceptance.setdefault(c.key, _Acceptance(next_probe=self._step + self.base_probe_interval))
+            stats = self._stats(c.key, c)
             if c.key in chosen:
                 stats.probe_interval = self.base_probe_interval
                 stats.next_probe = self._step + stats.probe_interval
@@ -179,10 +205,12 @@ class SpeculationController:
     # ---- feedback ----------------------------------------------------------------------------
 
     def record_verification(self, key: Hashable, num_proposed: int, num_accepted: int) -> None:
-        s = self._acceptance.setdefault(key, _Acceptance(next_probe=self._step + self.base_probe_interval))
         rejected = 1.0 if num_accepted < num_proposed else 0.0
-        s.accepted = s.accepted * self.decay + num_accepted
-        s.trials = s.trials * self.decay + num_accepted + rejected
+        while key is not None:  # the key, then its group
+            s = self._stats(key)
+            s.accepted = s.accepted * self.decay + num_accepted
+            s.trials = s.trials * self.decay + num_accepted + rejected
+            key = s.group
 
     def record_step(self, batch_size: int, num_speculating: int, seconds: float) -> None:
         """A decode step's measured time: plain (num_speculating 0) or with speculation."""
@@ -199,6 +227,7 @@ class SpeculationController:
         old = costs.extra.get(self._last_k)
         costs.extra[self._last_k] = extra if old is None else (1 - a) * old + a * extra
 
-    def forget(self, key: Hashable) -> None:
-        """Drop the acceptance statistics of a key that will not come back (a finished request)."""
-        self._acceptance.pop(key, None)
+    def forget(self, seq_id: int) -> None:
+        """Drop the statistics kept for a finished sequence (its groups' stay)."""
+        for key in self._keys_of_seq.pop(seq_id, ()):
+            self._acceptance.pop(key, None)

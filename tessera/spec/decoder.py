@@ -35,6 +35,9 @@ from tessera.spec.ngram import NgramProposer
 from tessera.spec.rejection import verify
 
 SPECULATIVE_METHODS = ("ngram", "draft")
+# Acceptance assumed for an n-gram match-length bucket before any verification of it: a one-token
+# match is mostly a guess, a 16-token one mostly a copy. Measured acceptance replaces it quickly.
+_NGRAM_PRIORS = (0.0, 0.15, 0.3, 0.45, 0.6, 0.7, 0.75)
 
 
 def can_speculate(params: SamplingParams) -> bool:
@@ -126,12 +129,16 @@ class SpeculativeDecoder:
                 if not proposal:
                     continue
                 self._ngram[seq.seq_id] = proposal
-                # Acceptance is tracked per match length (1, 2-3, 4-7, 8-15, 16-31, 32+).
-                key: object = ("ngram-match", match.bit_length())
+                # Acceptance is tracked per match length (1, 2-3, 4-7, 8-15, 16-31, 32+): a text
+                # copying a passage matches long and is accepted far more often than a guess.
+                bucket = match.bit_length()
+                key: object = ("ngram", seq.seq_id, bucket)
+                group: object = ("ngram-match", bucket)
+                prior = _NGRAM_PRIORS[min(bucket, len(_NGRAM_PRIORS) - 1)]
             else:
-                key = ("seq", seq.seq_id)
+                key, group, prior = ("draft", seq.seq_id), "draft", None
             self._keys[seq.seq_id] = key
-            candidates.append(Candidate(seq.seq_id, cap, key))
+            candidates.append(Candidate(seq.seq_id, cap, key, group, prior))
         self._plan_batch = len(running)
         return self.controller.choose(candidates, len(running))
 
@@ -261,4 +268,4 @@ class SpeculativeDecoder:
     def forget(self, seq_id: int) -> None:
         """A sequence finished or was aborted: drop what was kept about it."""
         self.proposer.forget(seq_id)
-        self.controller.forget(("seq", seq_id))
+        self.controller.forget(seq_id)

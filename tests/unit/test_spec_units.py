@@ -270,3 +270,20 @@ def test_trim_frees_blocks_past_the_kept_tokens():
         kv.trim(seq, 11)  # would drop computed K/V
     kv.free(seq)
     kv.check_invariants([])
+
+
+def test_a_key_starts_from_its_group_and_then_learns_its_own_rate():
+    controller = SpeculationController(max_k=4)
+    for seq_id in range(5):  # other requests: their short matches were all rejected
+        controller.choose([Candidate(seq_id, 4, ("r", seq_id), "short", 0.5)], 1)
+        for _ in range(10):
+            controller.record_verification(("r", seq_id), 4, 0)
+    assert controller.acceptance("short") < 0.1
+    new = Candidate(9, 4, ("r", 9), "short", 0.5)
+    controller.choose([new], 1)
+    assert controller.acceptance(new.key) < 0.1  # a new request inherits the group's estimate
+    for _ in range(10):  # but this one is copying: its short matches are accepted
+        controller.record_verification(new.key, 4, 4)
+    assert controller.acceptance(new.key) > 0.8
+    controller.forget(9)
+    assert ("r", 9) not in controller._acceptance and "short" in controller._acceptance
