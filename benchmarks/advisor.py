@@ -74,10 +74,17 @@ def slos(costs: StepCosts, trace: list[TraceRequest]) -> tuple[float, float]:
     """(TTFT, ITL) objectives in seconds, as multiples of the measured step times. ITL: between
     a step of 16 decodes with a 256-token prefill chunk and one with 512 (1.35x the first, about
     as far in ratio from both), so a cost estimate off by 20% does not move a budget across it;
-    TTFT: a few prefills of the trace's long (p90) prompts plus 20 decode steps of queueing."""
+    TTFT: a few prefills of the trace's long (p90) prompts plus 20 decode steps of queueing, plus
+    1.5x the prefill of the largest burst (prompts arriving at one instant), which the last of
+    the burst waits for whatever the configuration."""
     p90_prompt = percentile([len(r.prompt_token_ids) for r in trace], 90)
-    itl = 1.35 * costs.step_time(256, 16)
-    ttft = 4 * costs.step_time(int(p90_prompt), 16) + 20 * costs.step_time(0, 16)
+    bursts: dict[float, int] = {}
+    for r in trace:
+        bursts[round(r.arrival_time, 3)] = bursts.get(round(r.arrival_time, 3), 0) + len(r.prompt_token_ids)
+    burst = max(bursts.values())
+    itl = 1.35 * costs.step_time(256, 16, attention_pairs=256 * 128 + 16 * 256)
+    ttft = (4 * costs.step_time(int(p90_prompt), 16) + 20 * costs.step_time(0, 16)
+            + (1.5 * costs.step_time(burst, 0) if burst > p90_prompt else 0.0))
     return ttft, itl
 
 
@@ -183,7 +190,8 @@ def run_shape(shape: str, model: str, info, costs: StepCosts, costs_by_mode: dic
         ap = None
         if kind == "autopilot":
             ap = Autopilot.for_engine(engine, AutopilotConfig(slo_ttft_ms=slo[0] * 1e3, slo_itl_ms=slo[1] * 1e3,
-                                                              prefix_window_tokens=2048, itl_window=32, ttft_window=8))
+                                                              prefix_window_tokens=2048, itl_window=6, ttft_window=6,
+                                                              itl_chunk=16))
         row = {"config": name, "kind": kind, **_without_outputs(replay(engine, trace, slo, ap))}
         if ap is not None:
             row["changes"] = [f"{c.knob} {c.old}->{c.new} ({c.reason})" for c in ap.changes]
@@ -231,7 +239,8 @@ def main() -> int:
     costs = costs_by_mode.pop("none")
     for mode, c in {"none": costs, **costs_by_mode}.items():
         print(f"model {info.path.name} ({mode}); step costs: base {c.base_s * 1e3:.2f} ms, {c.per_decode_s * 1e3:.3f} "
-              f"ms per decode, {c.per_prefill_token_s * 1e3:.4f} ms per prefill token", flush=True)
+              f"ms per decode, {c.per_prefill_token_s * 1e3:.4f} ms per prefill token, {c.per_attention_s * 1e9:.2f} "
+              f"ns per attention pair", flush=True)
     results = []
     t0 = time.perf_counter()
     for shape in args.shapes.split(","):

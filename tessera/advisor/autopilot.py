@@ -7,8 +7,9 @@ is single-threaded, so changing it there is safe), and it changes two knobs:
   window of `prefix_window_tokens` looked-up tokens, back on when a shadow index (the same
   chained block hashes, cheap ones, in an LRU as large as the KV pool) would have hit at least
   `hit_rate_on` over a window while it was off;
-- the chunked-prefill token budget: cut while the p99 of the window's inter-token gaps exceeds
-  the ITL objective (in proportion, to the power of two under budget x objective / measured),
+- the chunked-prefill token budget: cut while more than a tenth of the window's requests had
+  the p99 of their inter-token gaps over the ITL objective (the way goodput counts a request),
+  in proportion, to the power of two under budget x objective / measured;
   doubled while the p90 TTFT exceeds its objective and ITL has room, never straight back to a
   budget that broke the ITL objective a short while ago.
 
@@ -35,12 +36,13 @@ class AutopilotConfig:
     hit_rate_off: float = 0.02  # prefix caching off below this windowed hit rate ...
     hit_rate_on: float = 0.10  # ... and back on above this shadow hit rate (hysteresis between)
     prefix_window_tokens: int = 8192  # prompt tokens looked up per prefix decision
-    itl_window: int = 64  # inter-token gaps per latency decision
+    itl_window: int = 16  # request ITL figures (each request's p99 gap) per latency decision
     ttft_window: int = 16  # first tokens per latency decision
     itl_slack: float = 0.6  # the budget grows for TTFT only while the ITL figure < this x the ITL objective
-    # The percentile of the window's inter-token gaps held to the ITL objective: 99, as the
-    # advisor's goodput counts a request whose p99 gap breaks it.
+    # A request's ITL figure: this percentile of its inter-token gaps (99, as the advisor's goodput
+    # counts a request), taken when it finishes or every itl_chunk gaps of a long stream.
     itl_percentile: float = 99.0
+    itl_chunk: int = 32
     min_budget: int = 64
     max_budget: int = 8192
     # A budget that broke the ITL objective is not tried again for TTFT for this many latency
@@ -104,7 +106,7 @@ class Autopilot:
         self._itl: list[float] = []
         self._ttft: list[float] = []
         self.last_hit_rate: float | None = None
-        self.last_itl: float | None = None  # the window's itl_percentile gap, seconds
+        self.last_itl: float | None = None  # p90 over the window's requests of their ITL figure, seconds
         self.last_p90_ttft: float | None = None
         self._itl_ceiling: int | None = None  # the smallest budget seen breaking the ITL objective
         self._ceiling_age = 0
@@ -112,6 +114,7 @@ class Autopilot:
         self._engine = None
         self._last_prefix = (0, 0)
         self._last_token_time: dict[str, float] = {}
+        self._gaps: dict[str, list[float]] = {}
 
     @classmethod
     def for_engine(cls, engine, config: AutopilotConfig) -> Autopilot:
@@ -145,6 +148,7 @@ class Autopilot:
         self._shadow.insert(token_ids)
 
     def record_itl(self, seconds: float) -> None:
+        """One request's ITL figure: the itl_percentile of its inter-token gaps."""
         self._itl.append(seconds)
 
     def record_ttft(self, seconds: float) -> None:
@@ -183,7 +187,7 @@ class Autopilot:
             return []
         if len(self._itl) < cfg.itl_window and len(self._ttft) < cfg.ttft_window:
             return []
-        itl = percentile(self._itl, cfg.itl_percentile) if self._itl else None
+        itl = percentile(self._itl, 90) if self._itl else None
         ttft = percentile(self._ttft, 90) if self._ttft else None
         self.last_itl, self.last_p90_ttft = itl, ttft
         self._itl, self._ttft = [], []
@@ -192,7 +196,7 @@ class Autopilot:
             self._itl_ceiling = None
         old = self.budget
         new, reason = old, ""
-        q = f"p{cfg.itl_percentile:g}"
+        q = f"p90 over requests of their p{cfg.itl_percentile:g}"
         if cfg.slo_itl_ms is not None and itl is not None and itl * 1e3 > cfg.slo_itl_ms:
             # A step's time grows about linearly with its chunk: aim under the objective at once.
             target = old * cfg.slo_itl_ms / (itl * 1e3) * 0.9
@@ -242,11 +246,16 @@ class Autopilot:
                         self.record_ttft(out.metrics.first_token_time - out.metrics.arrival_time)
                     self.record_prompt(out.prompt_token_ids)
                 else:
-                    for _ in range(new):
-                        self.record_itl((now - last) / new)
+                    gaps = self._gaps.setdefault(rid, [])
+                    gaps += [(now - last) / new] * new
+                    if len(gaps) >= self.config.itl_chunk:
+                        self.record_itl(percentile(self._gaps.pop(rid), self.config.itl_percentile))
                 self._last_token_time[rid] = now
             if out.finished:
                 self._last_token_time.pop(rid, None)
+                gaps = self._gaps.pop(rid, None)
+                if gaps:
+                    self.record_itl(percentile(gaps, self.config.itl_percentile))
                 if out.outputs:
                     self.record_finished(out.prompt_token_ids + out.outputs[0].token_ids)
         changes = self.decide(now)
@@ -256,6 +265,7 @@ class Autopilot:
     def on_abort(self, request_ids: list[str], now: float) -> None:
         for rid in request_ids:
             self._last_token_time.pop(rid, None)
+            self._gaps.pop(rid, None)
 
     # ---- Prometheus --------------------------------------------------------------------------
 
@@ -279,8 +289,8 @@ class Autopilot:
                             autopilot.budget)
                 yield gauge("tessera:autopilot_window_hit_rate", "Prefix hit rate of the last decision window "
                             "(the shadow index's while caching is off).", autopilot.last_hit_rate)
-                yield gauge("tessera:autopilot_window_itl_seconds", f"p{autopilot.config.itl_percentile:g} of the "
-                            "inter-token gaps of the last window.", autopilot.last_itl)
+                yield gauge("tessera:autopilot_window_itl_seconds", "p90 over the last window's requests of their "
+                            f"p{autopilot.config.itl_percentile:g} inter-token gap.", autopilot.last_itl)
                 yield gauge("tessera:autopilot_window_p90_ttft_seconds", "p90 TTFT of the last window.",
                             autopilot.last_p90_ttft)
                 c = CounterMetricFamily("tessera:autopilot_changes", "Settings the autopilot changed, by knob.",

@@ -142,7 +142,7 @@ def _costs_cache_file() -> Path:
 def _cache_key(info: ModelInfo, num_threads: int | None, quantization: str) -> str:
     st = info.path.stat()
     threads = num_threads or torch.get_num_threads()
-    return (f"{info.path.resolve()}|{st.st_size}|{int(st.st_mtime)}|{info.dtype}|{threads}|{torch.__version__}"
+    return (f"v3|{info.path.resolve()}|{st.st_size}|{int(st.st_mtime)}|{info.dtype}|{threads}|{torch.__version__}"
             f"|{quantization}")
 
 
@@ -174,37 +174,44 @@ def measure_step_costs(info: ModelInfo, dtype: str = "auto", num_threads: int | 
 
 def measure_costs_by_mode(info: ModelInfo, modes: list[str], dtype: str = "auto", num_threads: int | None = None,
                           use_cache: bool = True, rounds: int = 2) -> dict[str, StepCosts]:
-    """Step costs of each quantization mode, timed in alternation over `rounds` rounds, each
-    figure the smallest seen: on a shared machine, load that comes and goes falls on every mode
-    alike rather than on whichever was being timed at that moment. Cached per model, dtype,
-    threads, torch version and mode."""
+    """Step costs of each quantization mode, timed in alternation over `rounds` rounds: each raw
+    timing is the smallest seen, then the model is fitted once. On a shared machine, load that
+    comes and goes then falls on every mode alike rather than on whichever was being timed at
+    that moment. Cached per model, dtype, threads, torch version and mode."""
     keys = {mode: _cache_key(info, num_threads, mode) for mode in modes}
     cache = _read_cache() if use_cache else {}
     if all(k in cache for k in keys.values()):
         return {mode: StepCosts(**cache[k]) for mode, k in keys.items()}
-    best: dict[str, StepCosts] = {}
+    raw: dict[str, dict] = {}
     for _ in range(rounds):
         for mode in modes:
-            c = _time_steps(info, dtype, num_threads, mode)
-            b = best.get(mode, c)
-            best[mode] = dataclasses.replace(c, base_s=min(b.base_s, c.base_s),
-                                             per_decode_s=min(b.per_decode_s, c.per_decode_s),
-                                             per_prefill_token_s=min(b.per_prefill_token_s, c.per_prefill_token_s))
+            t = _time_steps(info, dtype, num_threads, mode)
+            raw[mode] = t if mode not in raw else {k: (min(v, t[k]) if isinstance(v, float) else
+                                                       [min(x, y) for x, y in zip(v, t[k], strict=True)]
+                                                       if isinstance(v, list) else v) for k, v in raw[mode].items()}
+    costs = {mode: _fit_costs(info, mode, raw[mode]) for mode in modes}
     if use_cache:
-        _write_cache({keys[m]: c for m, c in best.items()})
-    return best
+        _write_cache({keys[m]: c for m, c in costs.items()})
+    return costs
 
 
-def _time_steps(info: ModelInfo, dtype: str, num_threads: int | None, quantization: str = "none") -> StepCosts:
+_CHUNK, _CHUNKS = 128, 4  # the attention probe: a prompt of 4 chunks of 128, one per step
+
+
+def _time_steps(info: ModelInfo, dtype: str, num_threads: int | None, quantization: str = "none") -> dict:
+    """Raw step timings on the real engine: decode steps of 1 and `batch` short sequences, and
+    each step of one prompt prefilled in chunks (every chunk attends to more cached keys)."""
     from tessera.engine.engine import LLMEngine
     from tessera.sampling import SamplingParams
 
-    p1, p2, batch, reps = 32, min(512, info.max_model_len - 2), 16, 5
-    kv_tokens = 2 * p2 + batch * (reps + 16) + 64
+    batch, reps = 16, 5
+    chunk = min(_CHUNK, (info.max_model_len - 2) // _CHUNKS)
+    kv_tokens = batch * (reps + 16) + chunk * _CHUNKS + 64
     quant = {"quantization": quantization} if quantization != "none" else {}
     engine = LLMEngine(EngineConfig(
         model=str(info.path), dtype=dtype, num_threads=num_threads, enable_prefix_caching=False,
-        max_num_batched_tokens=p2, max_num_seqs=batch, max_model_len=min(info.max_model_len, p2 + 64),
+        max_num_batched_tokens=max(chunk, batch * 8), max_num_seqs=batch,
+        max_model_len=min(info.max_model_len, chunk * _CHUNKS + 64),
         kv_cache_memory=kv_tokens * info.kv_bytes_per_token() + (1 << 16), **quant,
     ))
     rng = random.Random(0)
@@ -214,36 +221,32 @@ def _time_steps(info: ModelInfo, dtype: str, num_threads: int | None, quantizati
     def prompt(n: int) -> list[int]:
         return [rng.randrange(min(100, vocab // 8), vocab - 1) for _ in range(n)]
 
-    def prefill(n: int) -> float:
-        engine.add_request(f"prefill-{next(ids)}", prompt(n), SamplingParams(max_tokens=1, ignore_eos=True))
+    def timed_step() -> float:
         t = time.perf_counter()
         engine.step()
-        dt = time.perf_counter() - t
+        return time.perf_counter() - t
+
+    def chunked_prefill() -> list[float]:
+        engine.scheduler.max_num_batched_tokens = chunk
+        engine.add_request(f"prefill-{next(ids)}", prompt(chunk * _CHUNKS), SamplingParams(max_tokens=1,
+                                                                                          ignore_eos=True))
+        times = [timed_step() for _ in range(_CHUNKS)]
         while engine.has_unfinished_requests():
             engine.step()
-        return dt
+        engine.scheduler.max_num_batched_tokens = max(chunk, batch * 8)
+        return times
 
     def decode(b: int) -> float:
         rids = [f"decode-{next(ids)}" for _ in range(b)]
         for rid in rids:
             engine.add_request(rid, prompt(4), SamplingParams(max_tokens=reps + 2, ignore_eos=True))
         engine.step()  # the prompts, in one step
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t)
+        times = [timed_step() for _ in range(reps)]
         engine.abort_request(rids)
         return statistics.median(times)
 
-    prefill(p1), prefill(p1), decode(2)  # warm-up
-    t_p1 = min(prefill(p1) for _ in range(3))
-    t_p2 = min(prefill(p2) for _ in range(3))
-    t_d1 = min(decode(1) for _ in range(2))
-    t_db = min(decode(batch) for _ in range(2))
-    per_decode = max((t_db - t_d1) / (batch - 1), 1e-7)
-    base = max(t_d1 - per_decode, 1e-6)
-    per_token = max((t_p2 - t_p1) / (p2 - p1), t_p2 / p2 * 0.1, 1e-8)
+    chunked_prefill(), decode(2)  # warm-up
+    chunks = [min(ts) for ts in zip(*(chunked_prefill() for _ in range(3)), strict=True)]
     weight_bytes = None
     try:
         from tessera.quant import weight_memory_bytes
@@ -251,11 +254,29 @@ def _time_steps(info: ModelInfo, dtype: str, num_threads: int | None, quantizati
         weight_bytes = weight_memory_bytes(engine.runner.model)
     except (ImportError, AttributeError):
         pass
+    return {"decode_1": min(decode(1) for _ in range(2)), "decode_batch": min(decode(batch) for _ in range(2)),
+            "batch": batch, "chunk": chunk, "chunks": chunks, "weight_bytes": weight_bytes}
+
+
+def _fit_costs(info: ModelInfo, quantization: str, raw: dict) -> StepCosts:
+    """base and per decode from the two decode timings; per attention pair and per prompt token
+    from a least-squares line through the chunk steps' times against their attention pairs."""
+    batch, chunk = raw["batch"], raw["chunk"]
+    per_decode = max((raw["decode_batch"] - raw["decode_1"]) / (batch - 1), 1e-7)
+    base = max(raw["decode_1"] - per_decode, 1e-6)
+    xs = [chunk * (k * chunk + chunk / 2) for k in range(len(raw["chunks"]))]
+    ys = raw["chunks"]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    per_pair = max(slope, 0.0)
+    intercept = my - per_pair * mx
+    per_token = max((intercept - base) / chunk, min(ys) / chunk * 0.1, 1e-8)
     mode = f", {quantization}" if quantization != "none" else ""
     costs = StepCosts(base, per_decode, per_token, source=f"measured on {info.path.name} ({info.dtype}{mode})",
-                      weight_bytes=weight_bytes)
-    logger.info("step costs: base %.2f ms, %.3f ms per decode, %.4f ms per prefill token",
-                costs.base_s * 1e3, costs.per_decode_s * 1e3, costs.per_prefill_token_s * 1e3)
+                      weight_bytes=raw["weight_bytes"], per_attention_s=per_pair)
+    logger.info("step costs%s: base %.2f ms, %.3f ms per decode, %.4f ms per prefill token, %.2f ns per attention "
+                "pair", mode, costs.base_s * 1e3, costs.per_decode_s * 1e3, costs.per_prefill_token_s * 1e3,
+                per_pair * 1e9)
     return costs
 
 

@@ -1,7 +1,8 @@
 """A small discrete-event model of the engine: the step cost model and a scheduler simulation.
 
 The cost of one engine step is modelled as `base + per_decode * decodes + per_prefill_token *
-prefill tokens`, three figures measured on the real model (profile.measure_step_costs). The
+prefill tokens + per_attention * (query, key) pairs`, four figures measured on the real model
+(profile.measure_step_costs); the last makes long contexts cost what attention over them does. The
 simulation replays a trace through the same policy as tessera.engine.scheduler (running
 sequences first, one decode each, the newest takes a prefill chunk of what is left of the token
 budget, then FCFS admission) and returns each request's TTFT and time per output token, the
@@ -27,10 +28,14 @@ class StepCosts:
     per_decode_s: float  # each sequence that decodes one token
     per_prefill_token_s: float  # each prompt token computed in a prefill chunk
     source: str = "assumed"
+    # Each (query token, cached key) pair attention reads: a decode at context c adds c, a chunk
+    # of n tokens starting at position s adds n * (s + n / 2).
+    per_attention_s: float = 0.0
     weight_bytes: int | None = None  # what the model's weights took in the measured engine
 
-    def step_time(self, prefill_tokens: int, num_decodes: int) -> float:
-        return self.base_s + self.per_decode_s * num_decodes + self.per_prefill_token_s * prefill_tokens
+    def step_time(self, prefill_tokens: int, num_decodes: int, attention_pairs: float = 0.0) -> float:
+        return (self.base_s + self.per_decode_s * num_decodes + self.per_prefill_token_s * prefill_tokens
+                + self.per_attention_s * attention_pairs)
 
 
 @dataclass
@@ -141,7 +146,7 @@ def simulate(requests: list[SimRequest], costs: StepCosts, max_num_batched_token
             now = requests[order[nxt]].arrival
             continue
         budget = max_num_batched_tokens
-        decodes, prefill, chunks = 0, 0, []
+        decodes, prefill, chunks, pairs = 0, 0, [], 0.0
         for live in running:
             if budget == 0:
                 break
@@ -151,6 +156,7 @@ def simulate(requests: list[SimRequest], costs: StepCosts, max_num_batched_token
                 decodes += 1
             else:
                 prefill += n
+            pairs += n * (live.computed + n / 2)
             chunks.append((live, n))
             budget -= n
         held = sum(blocks(lv.total) for lv in running)
@@ -164,10 +170,11 @@ def simulate(requests: list[SimRequest], costs: StepCosts, max_num_batched_token
             running.append(live)
             n = min(req.prompt_len - cached, budget)
             prefill += n
+            pairs += n * (cached + n / 2)
             chunks.append((live, n))
             budget -= n
             held += blocks(req.prompt_len + 1)
-        dt = costs.step_time(prefill, decodes)
+        dt = costs.step_time(prefill, decodes, pairs)
         # Split the step's time between prefill and decode by their variable costs.
         var_p, var_d = costs.per_prefill_token_s * prefill, costs.per_decode_s * decodes
         share = var_p / (var_p + var_d) if var_p + var_d > 0 else 0.0

@@ -210,3 +210,14 @@ def test_under_overload_the_budget_comes_closest_to_the_objectives(info):
     assert all(g == 0 for g in [_sim(profile, cfg, budget=b).goodput(1e-5, 1e-5) for b in CHUNK_BUDGETS])
     least = min(late, key=late.get)
     assert chosen == (least if late[least] < 0.97 * late[512] else 512)
+
+
+def test_report_plots_when_matplotlib_is_installed(info, tmp_path):
+    pytest.importorskip("matplotlib")
+    from tessera.advisor.report import render_report
+
+    profile, advice = run(info, synthesize("chatbot", 12, rate=20.0, vocab_size=info.config.vocab_size,
+                                           length_scale=0.3))
+    text = render_report(profile, advice, tmp_path / "plots")
+    for name in ("lengths.png", "hit_rate.png", "kv_usage.png"):
+        assert (tmp_path / "plots" / name).stat().st_size > 1000 and f"plots/{name}" in text

@@ -82,7 +82,7 @@ def test_budget_shrinks_while_itl_breaks_its_objective_and_stops_at_the_floor():
     for _ in range(10):
         far.record_itl(0.200)  # 4x over: 512 x 50/200 x 0.9 = 115 -> 64
     assert [c.new for c in far.decide(0.0)] == [64]
-    assert "p99 ITL 80.0 ms > objective 50 ms" in ap.changes[0].reason
+    assert "p90 over requests of their p99 ITL 80.0 ms > objective 50 ms" in ap.changes[0].reason
 
 
 def test_budget_doubles_for_ttft_only_while_itl_has_room():
@@ -156,7 +156,7 @@ def test_on_step_turns_engine_outputs_into_decisions(tiny_model_dir):
     """The glue: TTFT and ITL come from the outputs, prompts feed the shadow index, and a change
     reaches the engine the autopilot drives."""
     engine = engine_for(tiny_model_dir, max_num_batched_tokens=512)
-    ap = Autopilot.for_engine(engine, AutopilotConfig(slo_itl_ms=1e-6, itl_window=8, ttft_window=1000,
+    ap = Autopilot.for_engine(engine, AutopilotConfig(slo_itl_ms=1e-6, itl_window=2, ttft_window=1000,
                                                       prefix_window_tokens=10**9))
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 260) for _ in range(20)] for _ in range(3)]
@@ -181,7 +181,10 @@ def test_on_step_with_fed_outputs():
     ap.on_step([out("a", 1, first=0.3), out("b", 1, first=0.4)], Stats(), 0.4)
     assert [c.new for c in ap.changes] == [1024]  # both first tokens were 300+ ms late
     ap.on_step([out("a", 2)], Stats(), 0.5)  # two tokens in one step: two gaps of 50 ms
-    assert ap._itl == [pytest.approx(0.05)] * 2
+    ap.on_step([out("a", 1)], Stats(), 0.7)  # then one of 200 ms
+    assert ap._itl == [] and ap._gaps["a"] == [pytest.approx(0.05)] * 2 + [pytest.approx(0.2)]
+    ap.on_step([out("a", 1, finished=True)], Stats(), 0.75)
+    assert ap._itl == [pytest.approx(0.2)] and "a" not in ap._gaps  # its p99 gap, once it ends
 
 
 def test_prometheus_export():

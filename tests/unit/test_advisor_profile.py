@@ -182,6 +182,13 @@ def test_simulation_timing_by_hand():
     assert late.goodput(slo_ttft_s=0.5, slo_itl_s=1.0) == 0.0
 
 
+def test_attention_cost_grows_with_the_context():
+    costs = StepCosts(base_s=0.0, per_decode_s=0.0, per_prefill_token_s=0.0, per_attention_s=1.0)
+    (o,) = simulate([SimRequest(0.0, 100, 2)], costs, max_num_batched_tokens=50, max_num_seqs=8).outcomes
+    # Chunks of 50 at positions 0 and 50: 50 x 25 + 50 x 75 pairs; then a decode over 100 keys.
+    assert o.ttft == 50 * 25 + 50 * 75 and o.finish == o.ttft + 100.5
+
+
 def test_batch_limit_queues_and_prefill_decode_shares_add_up():
     reqs = [SimRequest(0.0, 32, 4) for _ in range(6)]
     limited = simulate(reqs, COSTS, 512, max_num_seqs=2)
