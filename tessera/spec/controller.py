@@ -23,9 +23,9 @@ sides are measured, not assumed:
 Each step the controller picks the k and the set S of sequences (those with the best expected
 gain first) that maximise tokens per second, (B + sum over S of (E_i(k) - 1)) / (t0 + |S| c(k)).
 k = 0 (plain decoding) competes on equal terms, so speculation switches off under large
-batches or low acceptance. A key whose candidates are left out is tried again now and then
-with one sequence, less often each time (up to every max_probe_interval steps), so
-speculation comes back when acceptance does.
+batches or low acceptance. The first verification in a bucket, and the retries of a key whose
+candidates are left out (now and then, with one sequence, less often each time, up to every
+max_probe_interval steps, so speculation comes back when acceptance does), use a short k.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class SpeculationController:
 
     def __init__(self, max_k: int, adaptive: bool = True, prior_acceptance: float = 0.5, prior_weight: float = 2.0,
                  decay: float = 0.9, cost_smoothing: float = 0.3, probe_interval: int = 256,
-                 max_probe_interval: int = 4096, min_probe_gain: float = 1.0) -> None:
+                 max_probe_interval: int = 4096, min_probe_gain: float = 1.5, probe_k: int = 4) -> None:
         self.max_k = max_k
         self.adaptive = adaptive
         self.prior_acceptance = prior_acceptance
@@ -104,6 +104,9 @@ class SpeculationController:
         self.base_probe_interval = probe_interval
         self.max_probe_interval = max_probe_interval
         self.min_probe_gain = min_probe_gain  # expected extra tokens that justify a first probe
+        # Probes verify few tokens: on a CPU a long verification costs several plain steps, and a
+        # probe that finds nothing should cost about one. Longer k are explored once it pays.
+        self.probe_k = min(probe_k, max_k)
         self._acceptance: dict[Hashable, _Acceptance] = {}
         self._keys_of_seq: dict[int, set[Hashable]] = {}
         self._costs: dict[int, _BucketCosts] = {}
@@ -135,10 +138,15 @@ class SpeculationController:
 
     def optimistic_acceptance(self, key: Hashable) -> float:
         """The estimate plus one standard error: what decisions use, so that a key judged on a
-        verification or two (one unlucky rejection) gets another chance before it is dropped."""
+        verification or two (one unlucky rejection) gets another chance before it is dropped.
+        The evidence counted is the key's own trials plus its group's, which its estimate
+        starts from: a new key of a well-measured group is not treated as unknown."""
         a = self.acceptance(key)
         s = self._acceptance.get(key)
-        trials = s.trials if s is not None else 0.0
+        trials = 0.0
+        while s is not None:
+            trials += s.trials
+            s = self._acceptance.get(s.group) if s.group is not None else None
         return min(1.0, a + (a * (1.0 - a) / (trials + self.prior_weight)) ** 0.5)
 
     def costs(self, batch_size: int) -> _BucketCosts:
@@ -166,12 +174,12 @@ class SpeculationController:
         gains = {c.seq_id: [expected_tokens(self.optimistic_acceptance(c.key), min(k, c.max_k)) - 1.0
                             for k in range(self.max_k + 1)] for c in candidates}
         if not costs.extra:
-            # Nothing measured in this bucket: one sequence, the most promising, at its full k.
-            best = max(candidates, key=lambda c: gains[c.seq_id][c.max_k])
-            if gains[best.seq_id][best.max_k] < self.min_probe_gain:
+            # Nothing measured in this bucket: one sequence, the most promising, at a short k.
+            best = max(candidates, key=lambda c: gains[c.seq_id][self.probe_k])
+            if gains[best.seq_id][self.probe_k] < self.min_probe_gain:
                 return {}
-            self._last_k = best.max_k
-            return {best.seq_id: best.max_k}
+            self._last_k = min(self.probe_k, best.max_k)
+            return {best.seq_id: self._last_k}
         best_rate, best_k, best_set = batch_size / costs.plain, 0, []
         for k in range(1, self.max_k + 1):
             extra = costs.extra_cost(k)
@@ -197,7 +205,7 @@ class SpeculationController:
                 stats.probe_interval = self.base_probe_interval
                 stats.next_probe = self._step + stats.probe_interval
             elif self._step >= stats.next_probe:
-                plan[c.seq_id] = min(best_k or self.max_k, c.max_k)
+                plan[c.seq_id] = min(best_k or self.probe_k, c.max_k)
                 stats.probe_interval = min(max(2 * stats.probe_interval, self.base_probe_interval),
                                            self.max_probe_interval)
                 stats.next_probe = self._step + stats.probe_interval

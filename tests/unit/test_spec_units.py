@@ -211,7 +211,7 @@ def test_controller_finds_a_large_k_when_small_ones_do_not_pay():
             controller.record_verification("key", k, m)
         controller.record_step(1, len(plan), 0.075 + (0.050 + 0.004 * k if k else 0.0))
         ks.append(k)
-    assert sum(k == 8 for k in ks[-30:]) >= 28
+    assert sum(k >= 7 for k in ks[-30:]) >= 28
 
 
 def test_controller_switches_off_under_low_acceptance_and_large_batches():
