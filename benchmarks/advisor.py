@@ -190,8 +190,9 @@ def run_shape(shape: str, model: str, info, costs: StepCosts, costs_by_mode: dic
         ap = None
         if kind == "autopilot":
             ap = Autopilot.for_engine(engine, AutopilotConfig(slo_ttft_ms=slo[0] * 1e3, slo_itl_ms=slo[1] * 1e3,
-                                                              prefix_window_tokens=2048, itl_window=6, ttft_window=6,
-                                                              itl_chunk=16))
+                                                              # windows sized for traces of a few seconds
+                                                              prefix_window_tokens=2048, itl_window=4, ttft_window=4,
+                                                              itl_chunk=8))
         row = {"config": name, "kind": kind, **_without_outputs(replay(engine, trace, slo, ap))}
         if ap is not None:
             row["changes"] = [f"{c.knob} {c.old}->{c.new} ({c.reason})" for c in ap.changes]

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tessera.advisor.profile import Profile, engine_fields, speculative_fields
-from tessera.advisor.sim import SimRequest, StepCosts, simulate, simulate_replicas
+from tessera.advisor.sim import SimRequest, Speculation, StepCosts, simulate, simulate_replicas
 
 # The thresholds of the tree, in one place so the report can quote them.
 PREFIX_HIT_RATE_MIN = 0.10  # below this the hashing and the cache bookkeeping buy nothing
@@ -94,12 +94,13 @@ def _with_cache(requests: list[SimRequest], on: bool, cached: list[int]) -> list
 
 
 def _sim(profile: Profile, cfg: dict, budget: int | None = None, cache_on: bool | None = None,
-         costs: StepCosts | None = None):
+         costs: StepCosts | None = None, speculation: Speculation | None = None):
     """The simulated run of the configuration decided so far, with one setting tried otherwise."""
     on = cfg["enable_prefix_caching"] if cache_on is None else cache_on
     reqs = _with_cache(profile.requests, on, profile.prefix.cached_tokens)
     return simulate(reqs, costs or _costs(profile, cfg), budget or cfg["max_num_batched_tokens"], cfg["max_num_seqs"],
-                    kv_capacity_tokens=profile.engine["kv_pool_tokens"], block_size=cfg["block_size"])
+                    kv_capacity_tokens=profile.engine["kv_pool_tokens"], block_size=cfg["block_size"],
+                    speculation=speculation)
 
 
 def _goodput(profile: Profile, cfg: dict, budget: int | None = None, cache_on: bool | None = None,
@@ -251,7 +252,8 @@ def _fragmentation(p: Profile, cfg: dict) -> Decision:
 def _speculation(p: Profile, cfg: dict) -> Decision:
     s = p.speculation
     question = "would speculative decoding shorten decoding at the trace's batch sizes?"
-    threshold = f"modelled speedup >= {SPECULATION_SPEEDUP_MIN}x at the median batch"
+    threshold = (f"modelled speedup >= {SPECULATION_SPEEDUP_MIN}x at the median batch, and simulated goodput with "
+                 f"it within {BUDGET_TIE:.0%} of goodput without (verify steps must not break the ITL objective)")
     if s is None:
         return Decision("5 latency", question, "speculation off", "the trace holds no outputs to estimate "
                         "acceptance from", threshold, "none", {})
@@ -262,10 +264,16 @@ def _speculation(p: Profile, cfg: dict) -> Decision:
               f"step, drafts on {s.draft_coverage:.0%} of steps; modelled speedup "
               + ", ".join(f"{v:.2f}x at batch {b}" for b, v in s.speedup_by_batch.items()))
     fields = speculative_fields()
+    off = {fields["method"]: None} if fields else {}
     if speedup < SPECULATION_SPEEDUP_MIN:
-        settings = {fields["method"]: None} if fields else {}
         return Decision("5 latency", question, "speculation off", figure, threshold,
-                        f"none: {speedup:.2f}x at batch {median_batch}", settings)
+                        f"none: {speedup:.2f}x at batch {median_batch}", off)
+    g_off = _goodput(p, cfg)
+    g_on = _sim(p, cfg, speculation=Speculation(s.tokens_per_step, s.proposed_per_step)).goodput(*_slo(p))
+    figure += f"; simulated goodput {g_off:.2f} req/s without, {g_on:.2f} with"
+    if g_on < g_off * (1 - BUDGET_TIE):
+        return Decision("5 latency", question, "speculation off: its verify steps would cost goodput", figure,
+                        threshold, f"none: goodput {g_off:.2f} -> {g_on:.2f} req/s", off)
     if fields:
         settings = {fields["method"]: "ngram", fields["k"]: s.num_speculative_tokens}
         decision = f"n-gram speculation, k={s.num_speculative_tokens}"

@@ -353,6 +353,7 @@ class SpeculationProfile:
     acceptance_rate: float  # accepted draft tokens / proposed draft tokens
     tokens_per_step: float  # output tokens per verification step (1 = no gain)
     draft_coverage: float  # fraction of steps that had a draft to verify
+    proposed_per_step: float  # draft tokens verified per step, on average
     speedup_by_batch: dict[int, float]  # modelled decode speedup at these batch sizes
     measured: bool = False  # True when run through the engine's speculative decoder
 
@@ -581,7 +582,7 @@ def speculation_profile(prompts: list[list[int]], outputs: list[list[int] | None
         verify = plain + costs.per_prefill_token_s * b * mean_proposed  # the draft tokens ride along
         speedup[b] = per_step * plain / verify
     return SpeculationProfile("ngram", k, len(pairs), accepted / proposed if proposed else 0.0, per_step,
-                              drafted / steps, speedup)
+                              drafted / steps, mean_proposed, speedup)
 
 
 def scale_profile(requests: list[SimRequest], costs: StepCosts, sim: SimResult, budget: int, max_num_seqs: int,

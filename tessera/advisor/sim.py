@@ -112,19 +112,30 @@ class _Live:
     first_token: float = 0.0
     last_token: float = 0.0
     gaps: list[float] = field(default_factory=list)
+    credit: float = 0.0  # speculation: tokens owed by the average yield, not yet produced
 
     @property
     def total(self) -> int:
         return self.req.prompt_len + self.produced
 
 
+@dataclass(frozen=True)
+class Speculation:
+    """Speculative decoding as the simulation sees it: every decode verifies `proposed` draft
+    tokens (they cost what prompt tokens cost) and yields `tokens_per_step` tokens on average."""
+
+    tokens_per_step: float
+    proposed: float
+
+
 def simulate(requests: list[SimRequest], costs: StepCosts, max_num_batched_tokens: int, max_num_seqs: int,
              kv_capacity_tokens: int | None = None, block_size: int = 16,
-             prefill_only: bool = False) -> SimResult:
+             prefill_only: bool = False, speculation: Speculation | None = None) -> SimResult:
     """Run the trace through the continuous-batching policy with the cost model.
 
     prefill_only: every request stops after its first token (a prefill worker).
     kv_capacity_tokens: admission waits while the running batch would not fit (no preemption).
+    speculation: decodes verify draft tokens and may yield several tokens a step.
     """
     max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
@@ -154,6 +165,9 @@ def simulate(requests: list[SimRequest], costs: StepCosts, max_num_batched_token
             n = min(left, budget)
             if left == 1 and live.produced:
                 decodes += 1
+                if speculation is not None:
+                    prefill += round(speculation.proposed)  # the draft tokens ride along, like prompt tokens
+                    pairs += speculation.proposed * live.computed
             else:
                 prefill += n
             pairs += n * (live.computed + n / 2)
@@ -183,14 +197,21 @@ def simulate(requests: list[SimRequest], costs: StepCosts, max_num_batched_token
         now += dt
         finished = []
         for live, n in chunks:
+            decoding = live.produced > 0
             live.computed += n
             if live.computed < live.total:
                 continue  # a prefill chunk that did not reach the end
-            live.produced += 1
-            if live.produced == 1:
+            new = 1
+            if decoding and speculation is not None:
+                live.credit += speculation.tokens_per_step
+                new = max(1, min(int(live.credit), live.req.output_len - live.produced))
+                live.credit -= new
+                live.computed += new - 1  # the accepted drafts' K/V were computed in the step
+            live.produced += new
+            if live.produced == new:
                 live.first_token = now
             else:
-                live.gaps.append(now - live.last_token)
+                live.gaps += [(now - live.last_token) / new] * new
             live.last_token = now
             if live.produced >= (1 if prefill_only else live.req.output_len):
                 finished.append(live)

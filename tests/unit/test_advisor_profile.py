@@ -189,6 +189,18 @@ def test_attention_cost_grows_with_the_context():
     assert o.ttft == 50 * 25 + 50 * 75 and o.finish == o.ttft + 100.5
 
 
+def test_speculation_yields_several_tokens_per_step_and_costs_its_drafts():
+    from tessera.advisor.sim import Speculation
+
+    free_drafts = StepCosts(base_s=1.0, per_decode_s=0.0, per_prefill_token_s=0.0)
+    (o,) = simulate([SimRequest(0.0, 10, 9)], free_drafts, 512, 8, speculation=Speculation(4.0, 3.0)).outcomes
+    # The prefill step gives token 1; each verify step 4 more: 5 at t=2, 9 at t=3.
+    assert (o.ttft, o.finish, o.gaps) == (1.0, 3.0, [0.25] * 8)
+    costly = StepCosts(base_s=1.0, per_decode_s=0.0, per_prefill_token_s=1.0)
+    (o,) = simulate([SimRequest(0.0, 10, 9)], costly, 512, 8, speculation=Speculation(4.0, 3.0)).outcomes
+    assert o.finish == 11.0 + 2 * 4.0  # the 10-token prefill, then two steps of 1 + 3 draft tokens
+
+
 def test_batch_limit_queues_and_prefill_decode_shares_add_up():
     reqs = [SimRequest(0.0, 32, 4) for _ in range(6)]
     limited = simulate(reqs, COSTS, 512, max_num_seqs=2)
