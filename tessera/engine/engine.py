@@ -16,11 +16,12 @@ from dataclasses import dataclass
 import torch
 
 from tessera.config import EngineConfig, resolve_dtype
+from tessera.engine.handoff import SequenceHandoff, kv_shape, read_kv, write_kv
 from tessera.engine.kv_cache import KVCacheManager
 from tessera.engine.kv_sizing import num_kv_blocks
 from tessera.engine.model_runner import ModelRunner
 from tessera.engine.output_processor import SequenceTextState, decode_logprobs
-from tessera.engine.request import Sequence
+from tessera.engine.request import Sequence, SequenceStatus
 from tessera.engine.sampler import Sampler
 from tessera.engine.scheduler import Scheduler
 from tessera.engine.swap import HostBlockPool, PreemptionPolicy, measure_swap_costs, num_host_kv_blocks
@@ -28,8 +29,8 @@ from tessera.model.download import resolve_model_path
 from tessera.model.llama import LlamaForCausalLM
 from tessera.model.tokenizer import Tokenizer
 from tessera.model.weights import load_model_files
-from tessera.quant import quantize_model
 from tessera.outputs import RequestMetrics, RequestOutput
+from tessera.quant import quantize_model
 from tessera.sampling import SamplingParams
 from tessera.spec.decoder import SpeculativeDecoder
 
@@ -57,6 +58,9 @@ class EngineStats:
     num_swapped_seqs: int = 0  # sequences whose KV sits in the host pool now
     num_host_free_blocks: int = 0
     num_host_total_blocks: int = 0
+    num_demoted_blocks: int = 0  # evicted cached blocks copied to the host tier instead of dropped
+    num_promoted_blocks: int = 0  # of those, copied back for a prefix hit instead of recomputed
+    num_host_cached_blocks: int = 0  # demoted blocks in the host tier now
     # Speculative decoding (all 0 when it is off): proposed and accepted tokens, accepted per
     # verification, and decode steps (and their seconds) with speculation on and off.
     spec_num_proposed_tokens: int = 0
@@ -80,6 +84,7 @@ class _RequestState:
         self.params = params
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.texts: list[SequenceTextState] = []
+        self.handoff = False  # leaves this engine after its first token (prefill/decode disaggregation)
 
     @property
     def finished(self) -> bool:
@@ -133,6 +138,12 @@ class LLMEngine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._last_step = (0, 0)
+        # Disaggregation (tessera.engine.handoff): finished prefills waiting to be taken, imports
+        # waiting for room in the batch or the pool, and where exported K/V are written (a
+        # transport may hand out shared memory here to save a copy).
+        self._handoffs: dict[str, tuple[SequenceHandoff, torch.Tensor]] = {}
+        self._pending_imports: list[tuple[SequenceHandoff, torch.Tensor | None]] = []
+        self.kv_export_alloc = lambda shape, dtype: torch.empty(shape, dtype=dtype)
         logger.info(
             "loaded %s (%s, %s) in %.1fs; KV cache: %d blocks x %d tokens = %d tokens; max_model_len %d",
             path.name, mc.architecture, str(self.dtype).removeprefix("torch."), time.perf_counter() - t0,
@@ -142,9 +153,13 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, handoff: bool = False) -> None:
+        """handoff: stop after the first token and keep the prompt's K/V for `take_handoff`,
+        unless that token already ends the request (n must be 1)."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if handoff and params.n != 1:
+            raise ValueError(f"a handed-off request must have n=1, got n={params.n}")
         if isinstance(prompt, str):
             prompt_text: str | None = prompt
             prompt_ids = self.tokenizer.encode(prompt)
@@ -166,6 +181,7 @@ class LLMEngine:
             self.scheduler.add(seq)  # raises ValueError if it can never fit the KV pool
             state.texts.append(SequenceTextState(seq, self.tokenizer))
         self._generators.update(generators)
+        state.handoff = handoff
         self._requests[request_id] = state
         self._prompt_tokens_total += len(prompt_ids)
 
@@ -185,8 +201,12 @@ class LLMEngine:
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             state = self._requests.pop(rid, None)
+            self._handoffs.pop(rid, None)
             if state is None:
                 continue
+            for seq, _ in self._pending_imports:
+                if seq.request_id == rid:
+                    seq.status = SequenceStatus.FINISHED_ABORTED  # _admit_imports drops it
             for seq in self.scheduler.abort(rid):
                 self._generators.pop(seq.seq_id, None)
                 if self.spec is not None:
@@ -199,6 +219,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        if self._pending_imports:
+            self._admit_imports()
         lookahead = self.spec.plan(self.scheduler.running) if self.spec is not None else None
         out = self.scheduler.schedule(lookahead)
         self.runner.swap_blocks(out.swap_out, out.swap_in)  # before anything writes the freed blocks
@@ -261,6 +283,9 @@ class LLMEngine:
                     seq.output_logprobs.append(decode_logprobs(logprobs[i], self.tokenizer))
                 status = state.texts[seq.index].append_token(token_id, self.eos_token_ids, self.max_model_len)
                 self._generation_tokens_total += 1
+                if status is None and state.handoff:
+                    self._export_handoff(state, seq)  # before finish() frees its blocks
+                    status = SequenceStatus.FINISHED_ABORTED  # here; it lives on in the next engine
                 if status is not None:
                     self.scheduler.finish(seq, status)
                     self._generators.pop(seq.seq_id, None)
@@ -275,15 +300,95 @@ class LLMEngine:
                 state.metrics.finished_time = now
                 del self._requests[rid]
             with_lp = state.params.logprobs is not None
+            handed_off = rid in self._handoffs
             outputs.append(RequestOutput(
                 request_id=rid,
                 prompt=state.prompt,
                 prompt_token_ids=state.prompt_ids,
-                outputs=[t.make_output(t.seq.status.finish_reason, with_lp) for t in state.texts],
+                outputs=[t.make_output(None if handed_off else t.seq.status.finish_reason, with_lp)
+                         for t in state.texts],
                 finished=finished,
                 metrics=state.metrics,
             ))
+            if handed_off:  # what make_output released is what the client will have seen
+                self._handoffs[rid][0].emitted_text_len = state.texts[0].emitted
         return outputs
+
+    # ---- disaggregation: handing sequences over between engines (tessera.engine.handoff) -----
+
+    def _export_handoff(self, state: _RequestState, seq: Sequence) -> None:
+        n = seq.num_computed_tokens  # the prompt; the first token's K/V are computed by the next engine
+        kv = read_kv(self.runner.kv_caches, seq.block_table, self.kv.block_size, n,
+                     out=self.kv_export_alloc(kv_shape(self.runner.kv_caches, n), self.runner.kv_caches[0][0].dtype))
+        gen = self._generators.get(seq.seq_id)
+        handoff = SequenceHandoff(
+            request_id=seq.request_id, prompt_token_ids=list(seq.prompt_token_ids),
+            output_token_ids=list(seq.output_token_ids), params=state.params, num_kv_tokens=n,
+            output_logprobs=list(seq.output_logprobs), generator_state=gen.get_state() if gen is not None else None,
+            kv_shape=tuple(kv.shape), kv_dtype=str(kv.dtype).removeprefix("torch."),
+        )
+        self._handoffs[seq.request_id] = (handoff, kv)
+
+    def take_handoff(self, request_id: str) -> tuple[SequenceHandoff, torch.Tensor] | None:
+        """The handoff and K/V of a request added with handoff=True whose output came back
+        finished with finish_reason None; None if it finished here (or is not done)."""
+        return self._handoffs.pop(request_id, None)
+
+    def import_handoff(self, handoff: SequenceHandoff, kv: torch.Tensor | None = None,
+                       arrival_time: float | None = None) -> None:
+        """Take over a sequence from another engine. With `kv` (the K/V of its first
+        handoff.num_kv_tokens tokens) it decodes on at once, copying only the rows the prefix
+        cache lacks, and waits in a queue while the batch or the pool is full; without, it is
+        queued to recompute prompt and outputs. Raises ValueError if it can never fit."""
+        rid = handoff.request_id
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        self._validate_prompt(handoff.prompt_token_ids, handoff.params)
+        if kv is not None and handoff.num_kv_tokens != len(handoff.prompt_token_ids) + len(handoff.output_token_ids) - 1:
+            raise ValueError(f"request {rid}: K/V for {handoff.num_kv_tokens} tokens, but it has "
+                             f"{len(handoff.prompt_token_ids) + len(handoff.output_token_ids)}: all but the last needed")
+        now = time.monotonic()
+        state = _RequestState(rid, None, list(handoff.prompt_token_ids), handoff.params,
+                              arrival_time if arrival_time is not None else now)
+        seq = Sequence(rid, state.prompt_ids, handoff.params, arrival_time=state.metrics.arrival_time)
+        seq.output_token_ids = list(handoff.output_token_ids)
+        seq.output_logprobs = list(handoff.output_logprobs)
+        seq.first_scheduled_time = seq.first_token_time = now  # its first token came from elsewhere
+        state.metrics.first_scheduled_time = state.metrics.first_token_time = now
+        self.scheduler._check_fits(seq)
+        text = SequenceTextState(seq, self.tokenizer)
+        text.resume(handoff.emitted_text_len)
+        state.texts.append(text)
+        if handoff.generator_state is not None:
+            gen = torch.Generator()
+            gen.set_state(handoff.generator_state)
+            self._generators[seq.seq_id] = gen
+        self._requests[rid] = state
+        if kv is None:
+            self.scheduler.add(seq)
+        else:
+            self._pending_imports.append((seq, kv))
+            self._admit_imports()
+
+    def _admit_imports(self) -> None:
+        """Move imported sequences with K/V into the running batch, oldest first, while the
+        batch and the pool have room (all-or-nothing per sequence, like an admission)."""
+        sched = self.scheduler
+        while self._pending_imports and sched.num_running < sched.max_num_seqs:
+            seq, kv = self._pending_imports[0]
+            if seq.is_finished:  # aborted while it waited
+                self._pending_imports.pop(0)
+                continue
+            n = kv.shape[2]
+            if not self.kv.allocate_for_admission(seq, 1, num_restored_tokens=n):
+                break
+            self._pending_imports.pop(0)
+            if getattr(self.kv, "host", None) is not None:  # demotions of evicted blocks must leave before we overwrite
+                demote, promote = self.kv.take_block_copies()
+                self.runner.swap_blocks(demote, promote)
+            write_kv(self.runner.kv_caches, seq.block_table, self.kv.block_size, kv, seq.num_cached_tokens)
+            self.kv.commit_computed(seq)
+            sched.add_running(seq)
 
     # ---- introspection --------------------------------------------------------------------
 
@@ -314,7 +419,8 @@ class LLMEngine:
             return {}
         return dict(num_swapped_out_blocks=host.num_swapped_out_blocks, num_swapped_in_blocks=host.num_swapped_in_blocks,
                     num_swapped_seqs=host.num_swapped_seqs, num_host_free_blocks=host.num_free_blocks,
-                    num_host_total_blocks=host.num_blocks)
+                    num_host_total_blocks=host.num_blocks, num_demoted_blocks=host.num_demoted_blocks,
+                    num_promoted_blocks=host.num_promoted_blocks, num_host_cached_blocks=host.num_cached_blocks)
 
     def check_invariants(self) -> None:
         """The KV invariant over every live sequence; tests call it after every step."""

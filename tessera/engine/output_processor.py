@@ -27,6 +27,16 @@ class SequenceTextState:
         self.emitted_logprobs = 0
         self.stop_reason: int | str | None = None
 
+    def resume(self, emitted_text_len: int) -> None:
+        """Take over a sequence that already has outputs (from another engine): decode them, and
+        count as handed out the text, tokens and logprobs the client already got."""
+        seq = self.seq
+        for token_id in seq.output_token_ids:  # one at a time, as they were first decoded
+            self.text += self.detokenizer.append(token_id)
+        self.emitted = min(emitted_text_len, len(self.text))
+        self.emitted_tokens = seq.num_output_tokens
+        self.emitted_logprobs = len(seq.output_logprobs)
+
     def append_token(self, token_id: int, eos_token_ids: set[int], max_model_len: int) -> SequenceStatus | None:
         """Record a sampled token; return the finished status if the sequence is done."""
         self.seq.output_token_ids.append(token_id)

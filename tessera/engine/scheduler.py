@@ -59,8 +59,9 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first, then prefill chunks
     preempted: list[Sequence] = field(default_factory=list)
-    # Block copies the engine runs before the forward pass, swap-outs first:
-    # (device block, host block) for preempted sequences, (host block, device block) for resumed ones.
+    # Block copies the engine runs before the forward pass, swap-outs first: (device block, host
+    # block) for preempted sequences and demoted cached blocks, (host block, device block) for
+    # resumed sequences and promoted prefix hits.
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
 
@@ -81,6 +82,8 @@ class Scheduler:
                  preemption: PreemptionPolicy | None = None) -> None:
         self.kv = kv
         self.host = host  # the host KV pool, None without --swap-space
+        if host is not None:
+            kv.attach_host_tier(host)  # evicted cached blocks are demoted there, hits promoted back
         self.preemption = preemption or PreemptionPolicy("recompute")
         self._swap_out: list[tuple[int, int]] = []  # this step's copies, handed out by schedule()
         self._swap_in: list[tuple[int, int]] = []
@@ -121,6 +124,15 @@ class Scheduler:
                 f"{self.kv.num_usable_blocks} blocks of {self.kv.block_size} tokens; raise --kv-cache-memory, "
                 f"or lower max_tokens or --max-model-len"
             )
+
+    def add_running(self, seq: Sequence) -> None:
+        """Take in a sequence that already holds its blocks and only decodes (imported from
+        another engine): ahead of a sequence still in its prefill, which must stay the newest."""
+        seq.status = SequenceStatus.RUNNING
+        at = len(self.running)
+        while at and self.running[at - 1].num_uncomputed_tokens > 1:
+            at -= 1
+        self.running.insert(at, seq)
 
     def abort(self, request_id: str) -> list[Sequence]:
         """Finish every sequence of the request as aborted and free its blocks; return them."""
@@ -171,6 +183,8 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         self._swap_out, self._swap_in = [], []
+        if self.host is not None:
+            self.host.begin_step()
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -184,6 +198,9 @@ class Scheduler:
             self._admit_waiting(budget, scheduled)
             if lookahead:
                 self._grant_lookahead(scheduled, lookahead)
+        demotions, promotions = self.kv.take_block_copies()  # evictions and hits of this step
+        self._swap_out.extend(demotions)
+        self._swap_in.extend(promotions)
         return SchedulerOutput(
             scheduled=[s for s in scheduled if s.is_decode] + [s for s in scheduled if not s.is_decode],
             preempted=preempted,
