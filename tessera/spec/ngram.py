@@ -78,8 +78,9 @@ def lookup(tokens: list[int], k: int, max_n: int = 3, min_n: int = 1,
         for n in range(1, max_n + 1):
             start = max(first, n)
             if start < length:
-                grams = zip(*(tokens[start - n + i : length - n + i] for i in range(n)))
-                index.ends[n].update(zip(grams, range(start, length)))
+                # n slices of length - start tokens each: the n-grams ending at start..length-1.
+                grams = zip(*(tokens[start - n + i : length - n + i] for i in range(n)), strict=True)
+                index.ends[n].update(zip(grams, range(start, length), strict=True))
         index.num_indexed = length - 1
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         end = index.ends[n].get(tuple(tokens[length - n :]))

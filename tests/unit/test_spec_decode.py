@@ -264,3 +264,78 @@ def test_sampled_distribution_matches_the_target(tiny_model_dir, hf_model, draft
     obs = counts[~small].tolist() + [float(counts[small].sum())]
     exp = expected[~small].tolist() + [float(expected[small].sum())]
     assert chi_square_p_value(obs, exp) > 1e-3
+
+
+def test_verify_with_a_bad_draft_gives_the_tiny_models_distribution(hf_model):
+    """The issue's statistical test: the tiny model's own next-token distributions (temperature
+    and top-k over a small support), a deliberately bad draft (no mass on the target's most
+    likely token, most of it on tokens the target excludes), k = 2, 20k verifications through
+    verify() in engine-sized batches. Expected frequencies come from transformers' logits and a
+    naive top-k softmax, not from the code under test."""
+    from tessera.spec.rejection import verify
+
+    temperature, top_k, n = 0.05, 10, 20_000
+    params = SamplingParams(temperature=temperature, top_k=top_k)
+    prompt = repetitive_prompts(1, hf_model.config.vocab_size, seed=4)[0]
+
+    def reference_probs(logits: torch.Tensor) -> torch.Tensor:
+        scaled = logits.double() / temperature
+        keep = scaled >= scaled.topk(top_k, dim=-1).values[..., -1:]
+        return scaled.masked_fill(~keep, float("-inf")).softmax(-1)
+
+    def last_logits(prefixes: list[list[int]]) -> torch.Tensor:
+        with torch.inference_mode():
+            return hf_model(torch.tensor([prompt + p for p in prefixes])).logits[:, -1].float()
+
+    row0 = last_logits([[]])[0]
+    p0 = reference_probs(row0)
+    ranked = p0.argsort(descending=True).tolist()  # support first, the mode at 0
+    support, outside = ranked[:top_k], ranked[top_k:]
+
+    def bad_draft(on_support: list[int], off_support: list[int]) -> torch.Tensor:
+        q = torch.zeros_like(p0, dtype=torch.float32)
+        q[on_support] = 0.4 / len(on_support)
+        q[off_support] = 0.6 / len(off_support)
+        return q
+
+    q0 = bad_draft(support[5:], outside[:6])  # nothing on the 5 likeliest tokens
+    q1 = bad_draft(support[2:4], outside[10:14])
+    torch.manual_seed(7)
+    x1 = torch.multinomial(q0, n, replacement=True).tolist()
+    x2 = torch.multinomial(q1, n, replacement=True).tolist()
+    firsts = sorted(set(x1))
+    pairs = sorted(set(zip(x1, x2, strict=True)))
+    row1 = dict(zip(firsts, last_logits([[a] for a in firsts]), strict=True))
+    row2 = dict(zip(pairs, last_logits([list(pair) for pair in pairs]), strict=True))
+    draft = torch.stack([q0, q1])
+    first_out, second_out, accepted_first = [], [], 0
+    for lo in range(0, n, 500):  # a batch of 500 sequences per verify() call, as a step would
+        batch = range(lo, min(lo + 500, n))
+        logits = torch.stack([row for i in batch for row in (row0, row1[x1[i]], row2[(x1[i], x2[i])])])
+        result = verify(logits, [[x1[i], x2[i]] for i in batch], [params] * len(batch), [0] * len(batch),
+                        [None] * len(batch), draft_probs=[draft] * len(batch))
+        for i, tokens, m in zip(batch, result.token_ids, result.num_accepted, strict=True):
+            assert tokens[:m] == [x1[i], x2[i]][:m] and len(tokens) == m + 1
+            first_out.append(tokens[0])
+            if m >= 1:
+                second_out.append(tokens[1])
+                accepted_first += 1
+
+    def p_value(samples: list[int], probs: torch.Tensor) -> float:
+        counts = torch.bincount(torch.tensor(samples), minlength=probs.numel()).double()
+        expected = probs * len(samples)
+        assert counts[expected == 0].sum() == 0, "drew a token the target gives no mass"
+        small = (expected > 0) & (expected < 5)  # pooled, as the chi-square test needs
+        big = expected >= 5
+        pooled = [float(counts[small].sum())], [float(expected[small].sum())]
+        has_pool = bool(small.any())
+        return chi_square_p_value(counts[big].tolist() + pooled[0] * has_pool,
+                                  expected[big].tolist() + pooled[1] * has_pool)
+
+    assert p_value(first_out, p0) > 1e-3
+    # Given x_1 was accepted (probability min(p0, q0)(x_1) / sum), the second output token is
+    # drawn from the target's distribution after x_1, whatever x_2 and q_1 were.
+    accept = torch.minimum(p0, q0.double())
+    assert abs(accepted_first / n - float(accept.sum())) < 0.015, "acceptance is sum min(p, q), the optimum"
+    mixture = sum(accept[a] / accept.sum() * reference_probs(row1[a]) for a in firsts if accept[a] > 0)
+    assert len(second_out) > 2000 and p_value(second_out, mixture) > 1e-3
