@@ -11,7 +11,11 @@ is single-threaded, so changing it there is safe), and it changes two knobs:
   the p99 of their inter-token gaps over the ITL objective (the way goodput counts a request),
   in proportion, to the power of two under budget x objective / measured;
   doubled while the p90 TTFT exceeds its objective and ITL has room, never straight back to a
-  budget that broke the ITL objective a short while ago.
+  budget that broke the ITL objective a short while ago. A single step that held decoding
+  requests past the ITL objective while it ran a prefill chunk cuts the budget at once, the same
+  way, without waiting for a window: such a step already spoiled every request it delayed (a
+  request's p99 gap is its worst one over a short stream), and a burst is over before a window of
+  finished requests fills.
 
 The decision half (`record_*` then `decide`) touches no engine, so tests feed it metric
 sequences; `apply` is the only code that changes an engine. Every change is logged with its
@@ -48,6 +52,9 @@ class AutopilotConfig:
     # A budget that broke the ITL objective is not tried again for TTFT for this many latency
     # windows (no flapping between two budgets; load changes, so it is retried eventually).
     itl_memory_windows: int = 20
+    # Cut the budget as soon as one step with a prefill chunk of at least this many tokens makes
+    # a decoding request wait longer than the ITL objective (0 = only the windowed rule).
+    step_reaction_min_prefill: int = 16
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,7 @@ class Autopilot:
         self.last_itl: float | None = None  # p90 over the window's requests of their ITL figure, seconds
         self.last_p90_ttft: float | None = None
         self._itl_ceiling: int | None = None  # the smallest budget seen breaking the ITL objective
+        self._slow_step: tuple[float, int] | None = None  # (longest gap, prefill tokens) of a step past ITL
         self._ceiling_age = 0
         # Engine glue state (on_step).
         self._engine = None
@@ -154,6 +162,17 @@ class Autopilot:
     def record_ttft(self, seconds: float) -> None:
         self._ttft.append(seconds)
 
+    def record_step(self, max_gap_s: float, prefill_tokens: int) -> None:
+        """One engine step: the longest inter-token gap it gave a decoding request, and the prompt
+        tokens it computed. A step past the ITL objective only counts when a prefill chunk ran in
+        it: without one, a smaller budget would not have made it shorter."""
+        cfg = self.config
+        if (cfg.slo_itl_ms is None or not cfg.step_reaction_min_prefill
+                or prefill_tokens < cfg.step_reaction_min_prefill or max_gap_s * 1e3 <= cfg.slo_itl_ms):
+            return
+        if self._slow_step is None or max_gap_s > self._slow_step[0]:
+            self._slow_step = (max_gap_s, prefill_tokens)
+
     # ---- decisions -------------------------------------------------------------------------------
 
     def decide(self, now: float) -> list[Change]:
@@ -185,6 +204,8 @@ class Autopilot:
         cfg = self.config
         if cfg.slo_itl_ms is None and cfg.slo_ttft_ms is None:
             return []
+        if self._slow_step is not None:
+            return self._cut_for_slow_step(now)
         if len(self._itl) < cfg.itl_window and len(self._ttft) < cfg.ttft_window:
             return []
         itl = percentile(self._itl, 90) if self._itl else None
@@ -216,6 +237,21 @@ class Autopilot:
         self.budget = new
         return [Change(now, "max_num_batched_tokens", old, new, reason)]
 
+    def _cut_for_slow_step(self, now: float) -> list[Change]:
+        gap, prefill = self._slow_step
+        self._slow_step = None
+        old, obj = self.budget, self.config.slo_itl_ms
+        # The chunk that ran was at most min(budget, prefill); aim that far under the objective.
+        target = min(old, prefill) * obj / (gap * 1e3) * 0.9
+        new = max(self.config.min_budget, min(old // 2, 1 << max(0, int(target).bit_length() - 1)))
+        if new >= old:
+            return []
+        self.budget = new
+        self._itl_ceiling, self._ceiling_age = min(old, self._itl_ceiling or old), 0
+        return [Change(now, "max_num_batched_tokens", old, new,
+                       f"a step with a {prefill}-token prefill chunk held a decoding request {gap * 1e3:.1f} ms "
+                       f"> ITL objective {obj:g} ms")]
+
     # ---- the engine ----------------------------------------------------------------------------
 
     def apply(self, engine, changes: list[Change]) -> None:
@@ -236,6 +272,7 @@ class Autopilot:
         q, h = stats.prefix_cache_queries, stats.prefix_cache_hits
         self.record_prefix(q - self._last_prefix[0], h - self._last_prefix[1])
         self._last_prefix = (q, h)
+        max_gap = 0.0
         for out in outputs:
             new = max((len(c.delta_token_ids) for c in out.outputs), default=0)
             rid = out.request_id
@@ -248,6 +285,7 @@ class Autopilot:
                 else:
                     gaps = self._gaps.setdefault(rid, [])
                     gaps += [(now - last) / new] * new
+                    max_gap = max(max_gap, (now - last) / new)
                     if len(gaps) >= self.config.itl_chunk:
                         self.record_itl(percentile(self._gaps.pop(rid), self.config.itl_percentile))
                 self._last_token_time[rid] = now
@@ -258,6 +296,9 @@ class Autopilot:
                     self.record_itl(percentile(gaps, self.config.itl_percentile))
                 if out.outputs:
                     self.record_finished(out.prompt_token_ids + out.outputs[0].token_ids)
+        # Each sequence of the step contributes one token plus its prefill chunk's others (a
+        # speculative verification's proposals count too; they only make the cut a little larger).
+        self.record_step(max_gap, stats.last_step_num_tokens - stats.last_step_num_seqs)
         changes = self.decide(now)
         if changes and self._engine is not None:
             self.apply(self._engine, changes)

@@ -85,6 +85,43 @@ def test_budget_shrinks_while_itl_breaks_its_objective_and_stops_at_the_floor():
     assert "p90 over requests of their p99 ITL 80.0 ms > objective 50 ms" in ap.changes[0].reason
 
 
+def test_one_slow_step_with_a_prefill_chunk_cuts_the_budget_at_once():
+    ap = pilot(slo_itl_ms=50)
+    ap.record_step(0.200, prefill_tokens=0)  # no prefill in it: a smaller budget would not help
+    ap.record_step(0.045, prefill_tokens=512)  # under the objective
+    ap.record_step(0.200, prefill_tokens=8)  # a chunk too small to blame
+    assert ap.decide(0.0) == []
+    ap.record_step(0.100, prefill_tokens=512)
+    ap.record_step(0.120, prefill_tokens=300)  # the step's worst one is acted on: 300 x 50/120 x 0.9 = 112
+    (change,) = ap.decide(1.0)
+    assert (change.old, change.new) == (512, 64)
+    assert "300-token prefill chunk held a decoding request 120.0 ms > ITL objective 50 ms" in change.reason
+    assert ap.decide(2.0) == []  # acted on once
+    ap.record_step(0.060, prefill_tokens=64)  # just over, at the floor: nothing smaller to go to
+    assert ap.decide(3.0) == []
+    no_objective = pilot()
+    no_objective.record_step(1.0, prefill_tokens=512)
+    assert no_objective.decide(0.0) == []
+
+
+def test_on_step_reports_the_steps_longest_gap_and_prefill_tokens():
+    ap = pilot(slo_itl_ms=50, itl_window=10**6)
+
+    def out(rid):
+        return RequestOutput(rid, None, [1, 2, 3], [CompletionOutput(0, "", [7], delta_token_ids=[7])], False,
+                             RequestMetrics(arrival_time=0.0, first_token_time=0.0))
+
+    class Stats:
+        prefix_cache_queries = prefix_cache_hits = 0
+        last_step_num_seqs, last_step_num_tokens = 3, 3 + 255  # two decodes and a 256-token chunk
+
+    ap.on_step([out("a"), out("b")], Stats(), 0.0)  # first tokens
+    ap.on_step([out("a"), out("b")], Stats(), 0.020)
+    assert ap.changes == []
+    ap.on_step([out("a"), out("b")], Stats(), 0.120)  # a 100 ms gap: 255 x 50/100 x 0.9 = 114 -> 64
+    assert [(c.old, c.new) for c in ap.changes] == [(512, 64)]
+
+
 def test_budget_doubles_for_ttft_only_while_itl_has_room():
     ap = pilot(slo_ttft_ms=200, slo_itl_ms=50, max_budget=1024)
     for _ in range(4):
@@ -177,6 +214,7 @@ def test_on_step_with_fed_outputs():
 
     class Stats:
         prefix_cache_queries = prefix_cache_hits = 0
+        last_step_num_tokens = last_step_num_seqs = 2  # decodes only: no step reaction
 
     ap.on_step([out("a", 1, first=0.3), out("b", 1, first=0.4)], Stats(), 0.4)
     assert [c.new for c in ap.changes] == [1024]  # both first tokens were 300+ ms late
