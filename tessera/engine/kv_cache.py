@@ -15,6 +15,13 @@ Freed blocks keep their hash and contents: they wait in the free list, an LRU, a
 sequence with the same prefix revives them. A cached block loses its hash (is evicted) only
 when it is taken for new content, least recently freed first.
 
+With a host tier attached (`attach_host_tier`, --swap-space), an evicted cached block is
+demoted rather than forgotten: its K/V are copied to a host block and its hash kept in the
+host index (tessera.engine.swap.HostBlockPool). A prefix lookup that runs past the device index
+continues into the host index; host-resident blocks of a hit are promoted: they get fresh
+device blocks and are copied back before the step's forward pass. The copies are collected here
+and handed to the scheduler by `take_block_copies`, so they run batched with the swap copies.
+
 No copy-on-write is needed: only full blocks whose K/V are already computed are ever shared,
 and a sequence writes K/V only at positions >= its num_computed_tokens, which lie past the end
 of every block it shares (admission never lets a hit cover the last token). So nobody ever
@@ -29,8 +36,12 @@ from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tessera.engine.request import Sequence
+
+if TYPE_CHECKING:
+    from tessera.engine.swap import HostBlockPool
 
 
 def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
@@ -83,6 +94,22 @@ class KVCacheManager:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.num_evictions = 0
+        # The host tier (None without one) and the block copies owed to it before the next
+        # forward pass: demotions (device block, host block), promotions (host block, device block).
+        self.host: HostBlockPool | None = None
+        self._demotions: list[tuple[int, int]] = []
+        self._promotions: list[tuple[int, int]] = []
+
+    def attach_host_tier(self, host: HostBlockPool) -> None:
+        """Demote evicted cached blocks to `host` and promote host-resident prefix hits."""
+        self.host = host
+
+    def take_block_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The demotion and promotion copies owed since the last call; they must run before
+        the next forward pass writes any device block."""
+        copies = self._demotions, self._promotions
+        self._demotions, self._promotions = [], []
+        return copies
 
     # ---- sizes ------------------------------------------------------------------------------
 
@@ -130,17 +157,29 @@ class KVCacheManager:
         assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
         assert num_restored_tokens < seq.num_tokens, "at least one token must be left to compute"
         hit_hashes = self._find_cached_prefix(seq) if self.enable_prefix_caching else []
-        hit_blocks = [self.blocks[self._cached[h]] for h in hit_hashes]
-        num_hit_tokens = len(hit_blocks) * self.block_size
+        # Device block of each hit, None where the hit is host-resident (promoted below).
+        hit_ids = [self._cached.get(h) for h in hit_hashes]
+        num_hit_tokens = len(hit_hashes) * self.block_size
         num_computed = max(num_hit_tokens, num_restored_tokens)
         num_new_tokens = min(seq.num_tokens - num_computed, max_new_tokens)
-        num_fresh = self.num_blocks_for(num_computed + num_new_tokens) - len(hit_blocks)
-        num_revived = sum(1 for block in hit_blocks if block.ref_count == 0)
-        if num_fresh + num_revived > len(self._free):
+        num_fresh = self.num_blocks_for(num_computed + num_new_tokens) - len(hit_hashes)
+        num_promoted = hit_ids.count(None)
+        num_revived = sum(1 for bid in hit_ids if bid is not None and self.blocks[bid].ref_count == 0)
+        if num_fresh + num_promoted + num_revived > len(self._free):
             return False
-        for block in hit_blocks:
-            self._acquire(block)
-        seq.block_table = [block.block_id for block in hit_blocks]
+        for bid in hit_ids:  # first, so that taking blocks for promotions cannot evict them
+            if bid is not None:
+                self._acquire(self.blocks[bid])
+        if num_promoted:
+            # Out of the host index before any demotion below could drop them to make room.
+            sources = {h: self.host.promote(h) for h, bid in zip(hit_hashes, hit_ids, strict=True) if bid is None}
+            for i, h in enumerate(hit_hashes):
+                if hit_ids[i] is None:
+                    block = self.blocks[self._take_free_block()]
+                    block.block_hash = h
+                    self._cached[h] = hit_ids[i] = block.block_id
+                    self._promotions.append((sources[h], block.block_id))
+        seq.block_table = list(hit_ids)
         seq.num_computed_tokens = seq.num_cached_tokens = num_hit_tokens
         self.allocate_slots(seq, num_computed - num_hit_tokens + num_new_tokens)  # cannot fail: checked above
         seq.num_computed_tokens = num_computed
@@ -221,13 +260,15 @@ class KVCacheManager:
     # ---- internals --------------------------------------------------------------------------
 
     def _find_cached_prefix(self, seq: Sequence) -> list[bytes]:
-        """Hashes of the longest run of cached blocks matching seq's leading tokens, leaving at
-        least one token uncovered (a fully cached prompt backs off one block)."""
+        """Hashes of the longest run of cached blocks (on the device or in the host tier)
+        matching seq's leading tokens, leaving at least one token uncovered (a fully cached
+        prompt backs off one block)."""
         tokens, bs = seq.token_ids, self.block_size
         hashes: list[bytes] = []
+        host = self.host
         for i in range((len(tokens) - 1) // bs):
             block_hash = hash_block(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs])
-            if block_hash not in self._cached:
+            if block_hash not in self._cached and (host is None or not host.has_cached(block_hash)):
                 break
             hashes.append(block_hash)
         return hashes
@@ -242,6 +283,10 @@ class KVCacheManager:
         block = self.blocks[block_id]
         if block.block_hash is not None:  # evict: its contents are about to be overwritten
             del self._cached[block.block_hash]
+            if self.host is not None:  # keep them in the host tier if it has room
+                copy = self.host.demote(block.block_hash, block_id)
+                if copy is not None:
+                    self._demotions.append(copy)
             block.block_hash = None
             self.num_evictions += 1
         block.ref_count = 1

@@ -1,10 +1,13 @@
-"""The host-memory KV tier: a second block pool that preempted sequences' K/V are swapped to.
+"""The host-memory KV tier: a second block pool for preempted sequences' K/V and for cached
+prefix blocks the device pool had to evict.
 
 Three small parts, one job each:
 
-- `HostBlockPool` (the scheduler's): which host blocks each swapped-out sequence holds. Pure
-  Python, like KVCacheManager. Invariant: host blocks in use == blocks held by swapped
-  sequences, and every swapped sequence is waiting and holds no device blocks.
+- `HostBlockPool` (the scheduler's): which host blocks each swapped-out sequence holds, and the
+  host side of the prefix cache (block hash -> host block, LRU). Pure Python, like
+  KVCacheManager. Invariant: every host block is exactly one of held (by a swapped sequence,
+  which is waiting and holds no device blocks), cached (under one hash), free, or pending (read
+  by this step's copies, free from the next step on).
 - `HostKVCache` (the model runner's): the host tensors, the same layout as the device pool
   (on CPU simply a second pool; next to an accelerator, pinned CPU memory), and the batched
   copies: one index_select + index_copy_ per tensor per layer for all of a step's blocks.
@@ -13,18 +16,29 @@ Three small parts, one job each:
   would not give back. Both costs are measured once at start-up (`measure_swap_costs`): a
   round-trip copy of 1 and of k blocks, and a prefill of a short dummy prompt.
 
-Protocol, once per step: the scheduler's preemptions fill SchedulerOutput.swap_out with
-(device block, host block) pairs before the victim's device blocks are freed; its admissions
-fill swap_in with (host block, device block) pairs after fresh device blocks were taken. The
-engine runs all swap-outs, then all swap-ins, then the forward pass. Nothing writes a device
-block between schedule() and the forward pass, so a freed block still holds the victim's K/V
-when it is copied out. A step that preempts admits nobody, so no host block freed by a
-swap-in is taken by a swap-out of the same step.
+Demotion and promotion (prefix caching with a host tier): when the device pool evicts a cached
+block (takes a free block that still holds a hashed prefix for new content), its K/V are copied
+to a host block and its hash is kept in the host index instead of being forgotten; a host block
+is taken from the free ones first, else the least recently demoted cached one is dropped. A
+later request whose prefix runs into a host-resident hash gets a fresh device block that the
+host block is copied back into (promotion) instead of recomputing those tokens; the hash moves
+back to the device index.
+
+Protocol, once per step: the scheduler's preemptions and the device pool's evictions fill
+SchedulerOutput.swap_out with (device block, host block) pairs before the blocks are reused;
+its admissions fill swap_in with (host block, device block) pairs (swapped sequences coming
+back, promotions) after fresh device blocks were taken. The engine runs all swap-outs, then all
+swap-ins, then the forward pass. Nothing writes a device block between schedule() and the
+forward pass, so a reused block still holds its old K/V when it is copied out, and a block
+demoted and promoted again in one step is copied out before it is copied back. A host block
+that a swap-in reads this step is pending until the next step's `begin_step`, so no swap-out of
+the same step (which runs first) can overwrite it.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -38,7 +52,8 @@ PREEMPTION_MODES = ("recompute", "swap", "auto")
 
 class HostBlockPool:
     """Host block ids 0 .. num_blocks-1 (no padding block: nothing reads the host pool in a
-    forward pass) and the host block table of every swapped-out sequence."""
+    forward pass): the host block table of every swapped-out sequence, and the host prefix
+    cache of demoted blocks."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1:
@@ -48,16 +63,38 @@ class HostBlockPool:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: pop() takes the lowest id
         self._tables: dict[int, list[int]] = {}  # seq_id -> host blocks holding its first tokens
         self._num_tokens: dict[int, int] = {}  # seq_id -> tokens whose K/V those blocks hold
+        # Demoted prefix blocks: hash -> host block, least recently demoted first.
+        self._cached: OrderedDict[bytes, int] = OrderedDict()
+        self._pending: list[int] = []  # read by this step's swap-ins: free from the next step on
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
+        self.num_demoted_blocks = 0  # cached blocks copied here when the device pool evicted them
+        self.num_promoted_blocks = 0  # of those, copied back for a prefix hit
+        self.num_evicted_blocks = 0  # demoted blocks dropped to make room here
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Host blocks no swapped sequence holds (cached ones included, as on the device)."""
+        return self.num_blocks - sum(len(t) for t in self._tables.values())
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Host blocks a swap-out or demotion can take in this step: free or cached."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
 
     @property
     def num_swapped_seqs(self) -> int:
         return len(self._tables)
+
+    def begin_step(self) -> None:
+        """The last step's copies ran: the host blocks its swap-ins read are free again."""
+        if self._pending:
+            self._free.extend(self._pending)
+            self._pending.clear()
 
     def holds(self, seq: Sequence) -> bool:
         return seq.seq_id in self._tables
@@ -68,12 +105,13 @@ class HostBlockPool:
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
         """Take host blocks for seq's computed tokens; return (device block, host block) copies.
 
-        Call before the device blocks are freed. The caller checked there is room.
+        Call before the device blocks are freed. The caller checked there is room
+        (num_available_blocks); demoted blocks are dropped for it if need be.
         """
         n = seq.num_computed_tokens
         device_blocks = seq.block_table[: -(-n // self.block_size)]
-        assert n > 0 and len(device_blocks) <= len(self._free) and seq.seq_id not in self._tables
-        host_blocks = [self._free.pop() for _ in device_blocks]
+        assert n > 0 and len(device_blocks) <= self.num_available_blocks and seq.seq_id not in self._tables
+        host_blocks = [self._take() for _ in device_blocks]
         self._tables[seq.seq_id] = host_blocks
         self._num_tokens[seq.seq_id] = n
         self.num_swapped_out_blocks += len(host_blocks)
@@ -81,12 +119,12 @@ class HostBlockPool:
 
     def swap_in(self, seq: Sequence, num_hit_blocks: int) -> list[tuple[int, int]]:
         """seq was just given device blocks covering its saved tokens, the first num_hit_blocks
-        of them revived from the prefix cache. Free its host blocks; return the (host block,
-        device block) copies for the rest."""
+        of them from the prefix cache. Release its host blocks (pending: the copies read them
+        this step); return the (host block, device block) copies for the rest."""
         host_blocks = self._tables.pop(seq.seq_id)
         del self._num_tokens[seq.seq_id]
         pairs = list(zip(host_blocks[num_hit_blocks:], seq.block_table[num_hit_blocks : len(host_blocks)], strict=True))
-        self._free.extend(reversed(host_blocks))
+        self._pending.extend(host_blocks)
         self.num_swapped_in_blocks += len(pairs)
         return pairs
 
@@ -97,10 +135,52 @@ class HostBlockPool:
             del self._num_tokens[seq.seq_id]
             self._free.extend(reversed(host_blocks))
 
+    # ---- the host prefix cache ------------------------------------------------------------
+
+    def has_cached(self, block_hash: bytes) -> bool:
+        return block_hash in self._cached
+
+    def cached_blocks(self) -> dict[bytes, int]:
+        """hash -> host block of every demoted block here, least recently demoted first."""
+        return dict(self._cached)
+
+    def demote(self, block_hash: bytes, device_block: int) -> tuple[int, int] | None:
+        """The device pool is evicting `device_block`, which holds the prefix `block_hash`:
+        keep it here. Returns the (device block, host block) copy, or None when no copy is
+        needed (the hash is already here; it becomes the most recent) or no host block can be
+        had (all held by swapped sequences or pending)."""
+        host_block = self._cached.get(block_hash)
+        if host_block is not None:
+            self._cached.move_to_end(block_hash)
+            return None
+        if not self._free and not self._cached:
+            return None
+        host_block = self._take()
+        self._cached[block_hash] = host_block
+        self.num_demoted_blocks += 1
+        return device_block, host_block
+
+    def promote(self, block_hash: bytes) -> int:
+        """A prefix hit on a demoted block: forget its hash here and return the host block to
+        copy back. The block is pending until the copy has run."""
+        host_block = self._cached.pop(block_hash)
+        self._pending.append(host_block)
+        self.num_promoted_blocks += 1
+        return host_block
+
+    def _take(self) -> int:
+        if self._free:
+            return self._free.pop()
+        _, host_block = self._cached.popitem(last=False)  # drop the least recently demoted block
+        self.num_evicted_blocks += 1
+        return host_block
+
+    # ---- integrity ------------------------------------------------------------------------
+
     def check_invariants(self, seqs: Iterable[Sequence]) -> None:
-        """Raise AssertionError unless host blocks in use == blocks held by swapped sequences
-        (`seqs`: all live sequences), each swapped sequence waits with no device blocks, and no
-        host block is both free and held or held twice."""
+        """Raise AssertionError unless every host block is exactly one of held by a swapped
+        sequence (`seqs`: all live sequences; each swapped one waits with no device blocks),
+        cached under one hash, free, or pending."""
         live = {seq.seq_id: seq for seq in seqs}
         held: list[int] = []
         for seq_id, table in self._tables.items():
@@ -112,12 +192,16 @@ class HostBlockPool:
             _require(0 < n < seq.num_tokens and len(table) == -(-n // self.block_size),
                      f"swapped seq {seq_id}: {len(table)} host blocks for {n} saved tokens")
             held.extend(table)
-        _require(len(set(held)) == len(held), "a host block is held twice")
-        _require(not set(held) & set(self._free), "a host block is both free and held")
-        _require(len(set(self._free)) == len(self._free), "a host block is free twice")
-        _require(len(held) + len(self._free) == self.num_blocks,
-                 f"host: held {len(held)} + free {len(self._free)} != total {self.num_blocks}")
-        _require(all(0 <= b < self.num_blocks for b in held), "a host block id is out of range")
+        groups = {"held": held, "cached": list(self._cached.values()), "free": self._free, "pending": self._pending}
+        everything = [b for blocks in groups.values() for b in blocks]
+        _require(len(set(everything)) == len(everything),
+                 "a host block is in two places: " + ", ".join(f"{k} {sorted(v)}" for k, v in groups.items()))
+        _require(len(everything) == self.num_blocks,
+                 f"host: held {len(held)} + cached {len(self._cached)} + free {len(self._free)} + pending "
+                 f"{len(self._pending)} != total {self.num_blocks}")
+        _require(all(0 <= b < self.num_blocks for b in everything), "a host block id is out of range")
+        _require(self.num_promoted_blocks + len(self._cached) + self.num_evicted_blocks == self.num_demoted_blocks,
+                 "every demoted block is cached, promoted or evicted")
 
 
 class HostKVCache:
@@ -189,7 +273,7 @@ class PreemptionPolicy:
         if self.mode == "recompute" or host is None or seq.num_computed_tokens == 0:
             return False
         num_blocks = -(-seq.num_computed_tokens // host.block_size)
-        if num_blocks > host.num_free_blocks:
+        if num_blocks > host.num_available_blocks:
             return False
         if self.mode == "swap":
             return True

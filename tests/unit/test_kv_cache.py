@@ -253,3 +253,48 @@ def test_with_prefix_caching_off_nothing_is_hashed(monkeypatch):
     assert (kv.prefix_queries, kv.prefix_hits, kv.num_evictions) == (0, 0, 0)
     assert kv._seq_hashes == {}
     kv.check_invariants([b])
+
+
+def test_host_index_lru_room_and_pending_blocks():
+    from tessera.engine.swap import HostBlockPool
+
+    host = HostBlockPool(num_blocks=2, block_size=BS)
+    h = [bytes([i]) * 32 for i in range(4)]
+    assert host.demote(h[0], 5) == (5, 0) and host.demote(h[1], 6) == (6, 1)
+    assert host.demote(h[0], 7) is None  # already here: no copy, and h[0] is now the most recent
+    assert host.demote(h[2], 8) == (8, 1)  # full: drops the least recently demoted, h[1]
+    assert not host.has_cached(h[1]) and host.num_evicted_blocks == 1
+    assert host.promote(h[2]) == 1  # pending until the copy ran: a demotion cannot take it
+    assert host.demote(h[3], 9) == (9, 0) and host.num_evicted_blocks == 2  # drops h[0] instead
+    assert host.cached_blocks() == {h[3]: 0} and host.promote(h[3]) == 0
+    assert host.demote(bytes(32), 10) is None  # both pending, nothing cached: a plain eviction
+    host.check_invariants([])
+    host.begin_step()
+    assert host.num_available_blocks == 2 and host.cached_blocks() == {}
+    host.check_invariants([])
+
+
+def test_an_evicted_block_is_demoted_and_a_later_hit_promotes_it():
+    from tessera.engine.swap import HostBlockPool
+
+    kv = KVCacheManager(num_blocks=4, block_size=BS)  # 3 usable blocks
+    host = HostBlockPool(num_blocks=8, block_size=BS)
+    kv.attach_host_tier(host)
+    a = make_seq(list(range(100, 109)))  # 2 full blocks + 1 token
+    prefill(kv, a)
+    kv.free(a)
+    b = make_seq(list(range(200, 212)))  # needs all 3 blocks: both of a's cached blocks go
+    prefill(kv, b)
+    first_demotions, promotions = kv.take_block_copies()
+    assert len(first_demotions) == 2 and promotions == [] and host.num_cached_blocks == 2
+    kv.free(b)
+    host.begin_step()
+    c = make_seq(list(range(100, 108)) + [5])
+    assert kv.allocate_for_admission(c, 100)
+    assert c.num_cached_tokens == 8 and host.num_promoted_blocks == 2
+    _, promotions = kv.take_block_copies()
+    # a's blocks come back from the host blocks they were demoted to, into c's first two blocks
+    assert sorted(h for h, _ in promotions) == sorted(h for _, h in first_demotions)
+    assert [d for _, d in promotions] == c.block_table[:2]
+    kv.check_invariants([c])
+    host.check_invariants([c])

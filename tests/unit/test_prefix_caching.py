@@ -18,6 +18,7 @@ from tessera.config import EngineConfig
 from tessera.engine.engine import LLMEngine
 from tessera.engine.kv_cache import KVCacheManager, hash_block
 from tessera.engine.request import Sequence
+from tessera.engine.swap import HostBlockPool
 from tests.unit.test_engine import hf_greedy
 
 TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads, head_dim 16, fp32
@@ -152,6 +153,33 @@ def test_a_tiny_pool_forces_eviction_and_preemption_and_outputs_stay_exact(tiny_
         assert stats.num_swapped_out_blocks > 0
 
 
+def test_evicted_blocks_are_demoted_to_the_host_tier_and_promoted_back_exactly(tiny_model_dir, hf_model):
+    rng = random.Random(5)
+    vocab = hf_model.config.vocab_size
+    stem = [rng.randrange(vocab) for _ in range(32)]  # 8 blocks of 4
+    wave_a = [stem + [rng.randrange(vocab) for _ in range(rng.randint(1, 5))] for _ in range(2)]
+    wave_b = [[rng.randrange(vocab) for _ in range(rng.randint(36, 44))] for _ in range(4)]  # unrelated
+    wave_c = [stem + [rng.randrange(vocab) for _ in range(rng.randint(1, 5))] for _ in range(3)]
+    # Wave B does not fit next to wave A's freed blocks in 25 device blocks: they are evicted, and
+    # demoted to the host tier; wave C then hits the stem there.
+    arrivals = ([(0, p, 8) for p in wave_a] + [(40 + 2 * i, p, 8) for i, p in enumerate(wave_b)]
+                + [(120 + 2 * i, p, 8) for i, p in enumerate(wave_c)])
+    kw = dict(block_size=4, kv_cache_memory=26 * 4 * TINY_KV_BYTES_PER_TOKEN, max_num_batched_tokens=24,
+              max_num_seqs=4, preemption_mode="recompute", swap_space=64 * 4 * TINY_KV_BYTES_PER_TOKEN / (1 << 30))
+    on, engine = assert_on_equals_off_equals_hf(tiny_model_dir, hf_model, arrivals, **kw)
+    stats = engine.stats()
+    assert stats.num_evicted_blocks > 0 and stats.num_demoted_blocks > 0, "the workload is meant to demote"
+    assert stats.num_promoted_blocks >= 8, stats
+    assert stats.num_demoted_blocks == stats.num_promoted_blocks + stats.num_host_cached_blocks + \
+        engine.host_pool.num_evicted_blocks
+    first_c = len(wave_a) + len(wave_b)
+    assert all(on[first_c + i][1] >= 32 for i in range(len(wave_c))), [on[i][1] for i in range(len(arrivals))]
+    # Without the host tier the stem was forgotten: the first request of wave C recomputes it.
+    no_host = make_engine(tiny_model_dir, True, **(kw | dict(swap_space=0)))
+    plain = run_arrivals(no_host, arrivals)
+    assert plain[first_c][1] < 32 and plain[first_c][0] == on[first_c][0]
+
+
 # ---- the block manager against a model of block contents ----------------------------------------
 
 BS = 2
@@ -266,3 +294,77 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 BlockManagerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 test_block_manager_state_machine = BlockManagerMachine.TestCase
+
+
+class TwoTierMachine(BlockManagerMachine):
+    """The same, with a small host tier attached: evicted cached blocks are demoted (their slot
+    contents copied to a host block), host-resident hits promoted (copied back into a fresh
+    device block), the copies run as the engine runs them (all demotions, then all promotions,
+    before the step writes anything). On top of the device checks: the host pool is consistent,
+    every host-cached hash names exactly the prefix its host block holds, and every promoted
+    block a sequence reads holds the right K/V (checked by the base class's reads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.host = HostBlockPool(num_blocks=5, block_size=BS)
+        self.kv.attach_host_tier(self.host)
+        self.host_contents: dict[tuple[int, int], tuple[int, ...] | None] = {}
+
+    def _write(self, seq: Sequence, n: int) -> None:
+        demotions, promotions = self.kv.take_block_copies()
+        in_use = {b for s in self.live for b in s.block_table if s is not seq}
+        for device_block, host_block in demotions:
+            # Evicted for seq's new content: nobody else may read it any more.
+            assert device_block in seq.block_table and device_block not in in_use, "demoted a block in use"
+            for o in range(BS):
+                self.host_contents[(host_block, o)] = self.contents.get((device_block, o))
+        for host_block, device_block in promotions:
+            assert device_block in seq.block_table and device_block not in in_use
+            for o in range(BS):
+                self.contents[(device_block, o)] = self.host_contents[(host_block, o)]
+        self.host.begin_step()  # the step's copies ran
+        super()._write(seq, n)
+
+    @invariant()
+    def host_consistent(self):
+        self.host.check_invariants(self.live)  # nobody is swapped out here: held == 0
+        assert self.kv.take_block_copies() == ([], []), "copies owed outside a step"
+        for block_hash, host_block in self.host.cached_blocks().items():
+            prefix = self.host_contents.get((host_block, BS - 1))
+            assert prefix is not None and len(prefix) % BS == 0, f"host block {host_block} cached but not full"
+            chain = None
+            for i in range(len(prefix) // BS):
+                chain = hash_block(chain, list(prefix[i * BS : (i + 1) * BS]))
+            assert chain == block_hash, f"host block {host_block} holds another prefix than its hash names"
+            for o in range(BS):
+                assert self.host_contents[(host_block, o)] == prefix[: len(prefix) - BS + o + 1]
+        h = self.host
+        assert h.num_demoted_blocks == h.num_promoted_blocks + h.num_cached_blocks + h.num_evicted_blocks
+
+
+TwoTierMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=50, deadline=None)
+test_two_tier_block_manager_state_machine = TwoTierMachine.TestCase
+
+
+def test_the_two_tier_machine_really_demotes_and_promotes():
+    """The state machine above is only worth its name if its workloads reach both copies."""
+    m = TwoTierMachine()
+
+    def admit(tokens: list[int]) -> Sequence:
+        seq = Sequence("r", tokens, SamplingParams(max_tokens=8, ignore_eos=True))
+        assert m.kv.allocate_for_admission(seq, 100)
+        m.live.append(seq)
+        m._write(seq, seq.num_uncomputed_tokens)
+        return seq
+
+    def free(seq: Sequence) -> None:
+        m.kv.free(seq)
+        m.live.remove(seq)
+
+    free(admit(STEMS[0]))  # 8 blocks computed, cached and freed
+    free(admit(STEMS[1][:13] + [1]))  # takes 7 of 8 blocks: stem 0's cached blocks are demoted
+    assert m.host.num_demoted_blocks > 0
+    again = admit(STEMS[0][:12] + [2])
+    assert m.host.num_promoted_blocks == 5 and again.num_cached_tokens == 12  # 1 block on the device, 5 on the host
+    m.consistent()
+    m.host_consistent()

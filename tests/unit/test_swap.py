@@ -214,7 +214,7 @@ class SwapSim(Sim):
         def schedule_and_copy() -> SchedulerOutput:
             out = schedule()
             bs = self.kv.block_size
-            if out.preempted or out.swap_out:
+            if out.preempted:
                 assert not out.swap_in, "a step that preempts admits nobody"
             for device_block, host_block in out.swap_out:
                 for o in range(bs):
