@@ -4,7 +4,8 @@
 outputs, and this turns them into latency histograms (TTFT, inter-token latency, TPOT, e2e,
 queue time), batch-size histograms and a finished-request counter (aborted requests, e.g. a
 client that disconnected, count there with finished_reason="abort", as in vLLM). Engine-wide totals and
-gauges (tokens, preemptions, running/waiting, KV usage, prefix cache) are read from the engine's
+gauges (tokens, preemptions, running/waiting, KV usage, prefix cache queries/hits/hit rate,
+evicted/demoted/promoted blocks, swapped blocks and the host tier) are read from the engine's
 stats snapshot at scrape time, so they are always exact. Each app has its own registry, so
 tests can run several apps in one process.
 """
@@ -195,3 +196,20 @@ class _EngineStatsCollector(Collector):
         yield counter("tessera:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       s.prefix_cache_queries)
         yield counter("tessera:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
+        yield gauge("tessera:prefix_cache_hit_rate", "Prefix cache hits / queries since start, by tokens (0..1).",
+                    s.prefix_cache_hit_rate)
+        yield counter("tessera:prefix_cache_evicted_blocks", "Cached KV blocks the device pool reused for new content.",
+                      s.num_evicted_blocks)
+        yield counter("tessera:prefix_cache_demoted_blocks",
+                      "Evicted cached KV blocks copied to the host tier instead of dropped.", s.num_demoted_blocks)
+        yield counter("tessera:prefix_cache_promoted_blocks",
+                      "Host-tier KV blocks copied back to the device for a prefix hit.", s.num_promoted_blocks)
+        yield counter("tessera:kv_blocks_swapped_out", "KV blocks of preempted sequences copied to the host tier.",
+                      s.num_swapped_out_blocks)
+        yield counter("tessera:kv_blocks_swapped_in", "KV blocks of resumed sequences copied back from the host tier.",
+                      s.num_swapped_in_blocks)
+        yield gauge("tessera:num_requests_swapped", "Sequences whose KV blocks sit in the host tier.",
+                    s.num_swapped_seqs)
+        yield gauge("tessera:host_kv_cache_usage_perc",
+                    "Fraction of host-tier KV blocks held by swapped sequences (0..1; 0 without --swap-space).",
+                    1.0 - s.num_host_free_blocks / s.num_host_total_blocks if s.num_host_total_blocks else 0.0)
