@@ -1,0 +1,55 @@
+"""Tessera on the compare.py workload (Tessera's venv): offline throughput through LLM.generate,
+then one request at a time. --quantization none computes in float32 (auto dtype on this CPU) from
+the GGUF dequantized at load; gguf keeps the file's Q4_1 blocks.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import Timer, load_workload, run_and_write, runner_args, single_stream, throughput_result
+
+
+def main() -> None:
+    ap = runner_args(__doc__)
+    ap.add_argument("--quantization", default="none")
+    args = ap.parse_args()
+    w = load_workload(args.workload)
+
+    def body() -> dict:
+        import torch
+
+        import tessera
+        from tessera import LLM, SamplingParams
+
+        with Timer() as load:
+            llm = LLM(w["gguf_q4_1"], dtype="auto", quantization=args.quantization,
+                      max_num_batched_tokens=512, max_num_seqs=64, num_threads=w["threads"])
+        dtype = str(llm.engine.dtype).removeprefix("torch.")
+
+        def generate(prompts: list[list[int]], n: int) -> None:
+            params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            assert all(len(o.outputs[0].token_ids) == n for o in outs)
+
+        out_len = w["output_len"]
+        generate(w["throughput_prompts"][:2], 4)  # warm-up
+        t0 = time.perf_counter()
+        generate(w["throughput_prompts"], out_len)
+        tput = throughput_result(time.perf_counter() - t0, w["throughput_prompts"], out_len)
+        single = single_stream(lambda p, n: generate([p], n), w["single_prompts"], out_len, w["single_reps"])
+        repo = Path(__file__).resolve().parents[2]
+        commit = subprocess.run(["git", "-C", str(repo), "describe", "--always", "--dirty"],
+                                capture_output=True, text=True).stdout.strip()
+        return {"version": f"tessera {tessera.__version__} ({commit})", "torch": torch.__version__,
+                "threads": torch.get_num_threads(), "dtype": dtype, "quantization": args.quantization,
+                "load_s": load.seconds, "throughput": tput, "single": single}
+
+    run_and_write(args.out, body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
