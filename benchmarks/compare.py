@@ -118,24 +118,37 @@ def vocab_size(gguf_path: str) -> int:
     return len(GGUFReader(gguf_path).fields["tokenizer.ggml.tokens"].data)
 
 
+def leading_agreement(results: dict[str, dict]) -> None:
+    """How many leading greedy tokens of request 0 each engine shares with tessera-f32: a check
+    that every engine did the same work (near-ties in the logits may part them later)."""
+    ref = results.get("tessera-f32", {}).get("throughput", {}).get("first_request_tokens")
+    for r in results.values():
+        toks = r.get("throughput", {}).get("first_request_tokens") if r.get("ok") else None
+        if ref and toks:
+            r["throughput"]["leading_tokens_equal_to_tessera_f32"] = next(
+                (i for i, (a, b) in enumerate(zip(ref, toks, strict=False)) if a != b), min(len(ref), len(toks)))
+
+
 def print_table(results: dict[str, dict], args) -> None:
     base = results.get("tessera-f32", {})
     print(f"\n(a) {args.num_requests} requests x {args.input_len} in x {args.output_len} out; "
           f"(b) one {args.input_len}-token request, {args.output_len} out; {args.threads} threads, "
           f"{os.cpu_count()} cores")
     head = (f"{'engine':15s} {'(a) s':>7s} {'out tok/s':>9s} {'vs tessera':>10s} {'(b) TTFT ms':>11s} "
-            f"{'decode tok/s':>12s}  weights")
+            f"{'decode tok/s':>12s} {'same':>4s}  weights")
     print(head)
     for name, r in results.items():
         if not r.get("ok"):
-            print(f"{name:15s} {'-':>7s} {'-':>9s} {'-':>10s} {'-':>11s} {'-':>12s}  "
+            print(f"{name:15s} {'-':>7s} {'-':>9s} {'-':>10s} {'-':>11s} {'-':>12s} {'-':>4s}  "
                   f"not run: {r.get('error', '?')[:90]}")
             continue
         t, s = r["throughput"], r["single"]
         rel = (f"{base['throughput']['seconds'] / t['seconds']:9.2f}x" if base.get("ok") else f"{'-':>10s}")
+        same = t.get("leading_tokens_equal_to_tessera_f32", "-")
         print(f"{name:15s} {t['seconds']:7.1f} {t['out_tok_s']:9.1f} {rel} {1000 * s['ttft_s']:11.0f} "
-              f"{s['decode_tok_s']:12.1f}  {r['weights']}")
-    print("(vs tessera: the engine's throughput over tessera-f32's; > 1 means faster than Tessera)")
+              f"{s['decode_tok_s']:12.1f} {same:>4}  {r['weights']}")
+    print("(vs tessera: the engine's throughput over tessera-f32's; > 1 means faster than Tessera. "
+          "same: leading greedy tokens of request 0 equal to tessera-f32's)")
 
 
 def main() -> None:
@@ -192,6 +205,7 @@ def main() -> None:
 
     order = list(known)
     results = {k: results[k] for k in sorted(results, key=order.index)}
+    leading_agreement(results)
     print_table(results, args)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps({

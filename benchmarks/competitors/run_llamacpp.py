@@ -94,6 +94,7 @@ def main() -> None:
         outs = generate(bctx, prompts, out_len)
         tput = throughput_result(time.perf_counter() - t0, prompts, out_len)
         assert all(len(o) == out_len for o in outs)
+        tput["first_request_tokens"] = outs[0]
         lc.llama_free(bctx)
 
         sctx, _ = make_ctx(1, ctx_len)

@@ -30,16 +30,18 @@ def main() -> None:
                       max_num_batched_tokens=512, max_num_seqs=64, num_threads=w["threads"])
         dtype = str(llm.engine.dtype).removeprefix("torch.")
 
-        def generate(prompts: list[list[int]], n: int) -> None:
+        def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
             params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            assert all(len(o.outputs[0].token_ids) == n for o in outs)
+            outs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+            assert all(len(o) == n for o in outs)
+            return outs
 
         out_len = w["output_len"]
         generate(w["throughput_prompts"][:2], 4)  # warm-up
         t0 = time.perf_counter()
-        generate(w["throughput_prompts"], out_len)
+        outs = generate(w["throughput_prompts"], out_len)
         tput = throughput_result(time.perf_counter() - t0, w["throughput_prompts"], out_len)
+        tput["first_request_tokens"] = outs[0]
         single = single_stream(lambda p, n: generate([p], n), w["single_prompts"], out_len, w["single_reps"])
         repo = Path(__file__).resolve().parents[2]
         commit = subprocess.run(["git", "-C", str(repo), "describe", "--always", "--dirty"],

@@ -33,15 +33,18 @@ def main() -> None:
             llm = LLM(w["hf_folder"], dtype="float32", max_model_len=1024, seed=0, **extra)
         sched = llm.llm_engine.vllm_config.scheduler_config
 
-        def generate(prompts: list[list[int]], n: int) -> None:
+        def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
             params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            assert all(len(o.outputs[0].token_ids) == n for o in outs)
+            outs = [list(o.outputs[0].token_ids) for o in outs]
+            assert all(len(o) == n for o in outs)
+            return outs
 
         generate(w["throughput_prompts"][:2], 4)  # warm-up
         t0 = time.perf_counter()
-        generate(w["throughput_prompts"], out_len)
+        outs = generate(w["throughput_prompts"], out_len)
         tput = throughput_result(time.perf_counter() - t0, w["throughput_prompts"], out_len)
+        tput["first_request_tokens"] = outs[0]
         single = single_stream(lambda p, n: generate([p], n), w["single_prompts"], out_len, w["single_reps"])
         return {"version": f"vllm {vllm.__version__}", "torch": torch.__version__, "dtype": "float32",
                 "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
