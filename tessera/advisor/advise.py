@@ -22,10 +22,10 @@ PREFIX_HIT_RATE_MIN = 0.10  # below this the hashing and the cache bookkeeping b
 STATIC_WASTE_HIGH = 0.20  # above this static batching would pad a fifth of its token slots
 CHUNK_BUDGETS = (64, 128, 256, 512, 1024, 2048)
 BUDGET_TIE = 0.03  # budgets within 3% of the best goodput are ties; the default wins a tie
-# Step costs measured once on a shared machine are off by tens of percent while serving: a budget
-# is scored by its goodput averaged over the measured costs and costs this much higher, so one
-# that meets the ITL objective only just loses to one that meets it with room to spare.
-BUDGET_COST_MARGIN = 1.3
+# Step costs measured once on a shared machine are off by tens of percent while serving: budgets
+# and speculation are scored by goodput averaged over the measured costs and costs this much
+# higher, so a setting that meets the ITL objective only just loses to one with room to spare.
+COST_MARGIN = 1.3
 SPECULATION_SPEEDUP_MIN = 1.10
 DISAGGREGATION_GAIN_MIN = 1.15
 KV_HEADROOM = 1.25
@@ -110,6 +110,17 @@ def _sim(profile: Profile, cfg: dict, budget: int | None = None, cache_on: bool 
 def _goodput(profile: Profile, cfg: dict, budget: int | None = None, cache_on: bool | None = None,
              costs: StepCosts | None = None) -> float:
     return _sim(profile, cfg, budget, cache_on, costs).goodput(*_slo(profile))
+
+
+def _robust_goodput(profile: Profile, cfg: dict, budget: int | None = None,
+                    speculation: Speculation | None = None) -> float:
+    """Simulated goodput averaged over the measured step costs and COST_MARGIN x them."""
+    costs = _costs(profile, cfg)
+    slower = replace(costs, base_s=costs.base_s * COST_MARGIN, per_decode_s=costs.per_decode_s * COST_MARGIN,
+                     per_prefill_token_s=costs.per_prefill_token_s * COST_MARGIN,
+                     per_attention_s=costs.per_attention_s * COST_MARGIN)
+    slo = _slo(profile)
+    return sum(_sim(profile, cfg, budget, costs=c, speculation=speculation).goodput(*slo) for c in (costs, slower)) / 2
 
 
 def _lateness(profile: Profile, sim) -> float:
@@ -209,11 +220,7 @@ def _heterogeneity(p: Profile, cfg: dict) -> Decision:
     current = cfg["max_num_batched_tokens"]
     candidates = sorted({b for b in CHUNK_BUDGETS if b >= min(cfg["max_num_seqs"], 64)} | {current})
     sims = {b: _sim(p, cfg, budget=b) for b in candidates}
-    costs = _costs(p, cfg)
-    slower = replace(costs, base_s=costs.base_s * BUDGET_COST_MARGIN, per_decode_s=costs.per_decode_s * BUDGET_COST_MARGIN,
-                     per_prefill_token_s=costs.per_prefill_token_s * BUDGET_COST_MARGIN,
-                     per_attention_s=costs.per_attention_s * BUDGET_COST_MARGIN)
-    scores = {b: (sim.goodput(*_slo(p)) + _goodput(p, cfg, budget=b, costs=slower)) / 2 for b, sim in sims.items()}
+    scores = {b: _robust_goodput(p, cfg, budget=b) for b in candidates}
     best = max(scores.values())
     if best > 0:
         ties = [b for b, g in scores.items() if g >= best * (1 - BUDGET_TIE)]
@@ -233,7 +240,7 @@ def _heterogeneity(p: Profile, cfg: dict) -> Decision:
         f"(prompt p50/p99 {h.prompt_len.p50:.0f}/{h.prompt_len.p99:.0f}, output p50/p99 "
         f"{h.output_len.p50:.0f}/{h.output_len.p99:.0f}); simulated goodput by budget {{{table}}}",
         f"static waste > {STATIC_WASTE_HIGH:.0%} = heterogeneous; budget: best simulated goodput (mean at the "
-        f"measured step costs and at {BUDGET_COST_MARGIN}x them), ties "
+        f"measured step costs and at {COST_MARGIN}x them), ties "
         f"within {BUDGET_TIE:.0%} keep {current} (if none meets the objectives: the least late)",
         f"{1 / (1 - h.static_waste):.2f}x the useful tokens per slot of static batching; goodput "
         f"{scores[current]:.2f} -> {scores[budget]:.2f} req/s", settings)
@@ -262,7 +269,8 @@ def _speculation(p: Profile, cfg: dict) -> Decision:
     s = p.speculation
     question = "would speculative decoding shorten decoding at the trace's batch sizes?"
     threshold = (f"modelled speedup >= {SPECULATION_SPEEDUP_MIN}x at the median batch, and simulated goodput with "
-                 f"it within {BUDGET_TIE:.0%} of goodput without (verify steps must not break the ITL objective)")
+                 f"it within {BUDGET_TIE:.0%} of goodput without, at the measured step costs and {COST_MARGIN}x "
+                 "them (verify steps must not break the ITL objective)")
     if s is None:
         return Decision("5 latency", question, "speculation off", "the trace holds no outputs to estimate "
                         "acceptance from", threshold, "none", {})
@@ -277,8 +285,8 @@ def _speculation(p: Profile, cfg: dict) -> Decision:
     if speedup < SPECULATION_SPEEDUP_MIN:
         return Decision("5 latency", question, "speculation off", figure, threshold,
                         f"none: {speedup:.2f}x at batch {median_batch}", off)
-    g_off = _goodput(p, cfg)
-    g_on = _sim(p, cfg, speculation=Speculation(s.tokens_per_step, s.proposed_per_step)).goodput(*_slo(p))
+    g_off = _robust_goodput(p, cfg)
+    g_on = _robust_goodput(p, cfg, speculation=Speculation(s.tokens_per_step, s.proposed_per_step))
     figure += f"; simulated goodput {g_off:.2f} req/s without, {g_on:.2f} with"
     if g_on < g_off * (1 - BUDGET_TIE):
         return Decision("5 latency", question, "speculation off: its verify steps would cost goodput", figure,

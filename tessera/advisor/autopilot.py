@@ -15,7 +15,11 @@ is single-threaded, so changing it there is safe), and it changes two knobs:
   requests past the ITL objective while it ran a prefill chunk cuts the budget at once, the same
   way, without waiting for a window: such a step already spoiled every request it delayed (a
   request's p99 gap is its worst one over a short stream), and a burst is over before a window of
-  finished requests fills.
+  finished requests fills. Before that can happen, the step times themselves cap the budget:
+  from decode-only steps and steps with a prefill chunk the autopilot estimates what a prompt
+  token adds to a step, and keeps the budget at the chunk that still fits `step_fill` of the ITL
+  objective next to the decodes (the first prompt, computed while nothing else runs, already
+  tells), as Sarathi-Serve sizes its chunks from the TBT objective.
 
 The decision half (`record_*` then `decide`) touches no engine, so tests feed it metric
 sequences; `apply` is the only code that changes an engine. Every change is logged with its
@@ -55,6 +59,11 @@ class AutopilotConfig:
     # Cut the budget as soon as one step with a prefill chunk of at least this many tokens makes
     # a decoding request wait longer than the ITL objective (0 = only the windowed rule).
     step_reaction_min_prefill: int = 16
+    # The measured-cost cap: a full chunk plus the decodes should take at most this share of the
+    # ITL objective; estimates are the minimum (per prompt token) and median (decode-only steps)
+    # over the last `cost_samples` steps, so one step slowed by the machine does not move them.
+    step_fill: float = 0.8
+    cost_samples: int = 8
 
 
 @dataclass(frozen=True)
@@ -117,6 +126,9 @@ class Autopilot:
         self.last_p90_ttft: float | None = None
         self._itl_ceiling: int | None = None  # the smallest budget seen breaking the ITL objective
         self._slow_step: tuple[float, int] | None = None  # (longest gap, prefill tokens) of a step past ITL
+        self._decode_step_s: list[float] = []  # recent decode-only step times
+        self._per_token_s: list[float] = []  # recent estimates of a prompt token's cost in a step
+        self.budget_cap: int | None = None  # the largest chunk the measured costs fit under the ITL objective
         self._ceiling_age = 0
         # Engine glue state (on_step).
         self._engine = None
@@ -162,11 +174,13 @@ class Autopilot:
     def record_ttft(self, seconds: float) -> None:
         self._ttft.append(seconds)
 
-    def record_step(self, max_gap_s: float, prefill_tokens: int) -> None:
-        """One engine step: the longest inter-token gap it gave a decoding request, and the prompt
-        tokens it computed. A step past the ITL objective only counts when a prefill chunk ran in
-        it: without one, a smaller budget would not have made it shorter."""
+    def record_step(self, max_gap_s: float, prefill_tokens: int, step_time_s: float | None = None) -> None:
+        """One engine step: the longest inter-token gap it gave a decoding request, the prompt
+        tokens it computed and its wall time. A step past the ITL objective only counts when a
+        prefill chunk ran in it: without one, a smaller budget would not have made it shorter."""
         cfg = self.config
+        if step_time_s is not None and cfg.slo_itl_ms is not None:
+            self._record_cost(step_time_s, prefill_tokens)
         if (cfg.slo_itl_ms is None or not cfg.step_reaction_min_prefill
                 or prefill_tokens < cfg.step_reaction_min_prefill or max_gap_s * 1e3 <= cfg.slo_itl_ms):
             return
@@ -206,6 +220,9 @@ class Autopilot:
             return []
         if self._slow_step is not None:
             return self._cut_for_slow_step(now)
+        cut = self._cut_to_cap(now)
+        if cut:
+            return cut
         if len(self._itl) < cfg.itl_window and len(self._ttft) < cfg.ttft_window:
             return []
         itl = percentile(self._itl, 90) if self._itl else None
@@ -226,7 +243,7 @@ class Autopilot:
             self._itl_ceiling, self._ceiling_age = min(old, self._itl_ceiling or old), 0
         elif (cfg.slo_ttft_ms is not None and ttft is not None and ttft * 1e3 > cfg.slo_ttft_ms
               and (cfg.slo_itl_ms is None or itl is None or itl * 1e3 < cfg.itl_slack * cfg.slo_itl_ms)):
-            new = min(cfg.max_budget, old * 2)
+            new = min(cfg.max_budget, old * 2, self.budget_cap or cfg.max_budget)
             if self._itl_ceiling is not None and new >= self._itl_ceiling:
                 new = old  # that budget broke the ITL objective a short while ago
             reason = f"p90 TTFT {ttft * 1e3:.1f} ms > objective {cfg.slo_ttft_ms:g} ms"
@@ -237,13 +254,40 @@ class Autopilot:
         self.budget = new
         return [Change(now, "max_num_batched_tokens", old, new, reason)]
 
+    def _record_cost(self, step_time_s: float, prefill_tokens: int) -> None:
+        cfg = self.config
+        if prefill_tokens == 0:
+            self._decode_step_s = (self._decode_step_s + [step_time_s])[-cfg.cost_samples :]
+            return
+        if prefill_tokens < cfg.step_reaction_min_prefill:
+            return
+        base = percentile(self._decode_step_s, 50) if self._decode_step_s else 0.0
+        self._per_token_s = (self._per_token_s + [max(step_time_s - base, 0.0) / prefill_tokens])[-cfg.cost_samples :]
+        per_token = min(self._per_token_s)
+        if per_token <= 0:
+            return
+        room = cfg.slo_itl_ms / 1e3 * cfg.step_fill - base
+        self.budget_cap = max(cfg.min_budget, int(room / per_token) // 16 * 16)
+
+    def _cut_to_cap(self, now: float) -> list[Change]:
+        old = self.budget
+        if self.budget_cap is None or old <= self.budget_cap:
+            return []
+        self.budget = self.budget_cap
+        base = percentile(self._decode_step_s, 50) * 1e3 if self._decode_step_s else 0.0
+        return [Change(now, "max_num_batched_tokens", old, self.budget,
+                       f"measured steps: {min(self._per_token_s) * 1e3:.3f} ms per prompt token next to "
+                       f"{base:.1f} ms of decodes; {self.budget} tokens fit {self.config.step_fill:.0%} of the "
+                       f"ITL objective {self.config.slo_itl_ms:g} ms")]
+
     def _cut_for_slow_step(self, now: float) -> list[Change]:
         gap, prefill = self._slow_step
         self._slow_step = None
         old, obj = self.budget, self.config.slo_itl_ms
-        # The chunk that ran was at most min(budget, prefill); aim that far under the objective.
+        # The chunk that ran was at most min(budget, prefill); aim that far under the objective
+        # (in whole blocks of 16: the step time grows about linearly with the chunk).
         target = min(old, prefill) * obj / (gap * 1e3) * 0.9
-        new = max(self.config.min_budget, min(old // 2, 1 << max(0, int(target).bit_length() - 1)))
+        new = max(self.config.min_budget, min(old - 16, int(target) // 16 * 16))
         if new >= old:
             return []
         self.budget = new
@@ -298,7 +342,8 @@ class Autopilot:
                     self.record_finished(out.prompt_token_ids + out.outputs[0].token_ids)
         # Each sequence of the step contributes one token plus its prefill chunk's others (a
         # speculative verification's proposals count too; they only make the cut a little larger).
-        self.record_step(max_gap, stats.last_step_num_tokens - stats.last_step_num_seqs)
+        self.record_step(max_gap, stats.last_step_num_tokens - stats.last_step_num_seqs,
+                         stats.last_step_time_s)
         changes = self.decide(now)
         if changes and self._engine is not None:
             self.apply(self._engine, changes)

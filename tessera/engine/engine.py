@@ -52,6 +52,7 @@ class EngineStats:
     prefix_cache_queries: int  # tokens looked up at admission
     prefix_cache_hits: int  # of those, tokens whose KV blocks came from the prefix cache
     prefix_cache_hit_rate: float = 0.0  # hits / queries, by tokens
+    last_step_time_s: float = 0.0  # wall time of the last step (schedule, forward, sample, detokenize)
     num_evicted_blocks: int = 0  # cached blocks whose contents were overwritten
     num_swapped_out_blocks: int = 0  # blocks copied to the host pool by swap preemptions
     num_swapped_in_blocks: int = 0  # blocks copied back from the host pool
@@ -138,6 +139,7 @@ class LLMEngine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._last_step = (0, 0)
+        self._last_step_time = 0.0
         # Disaggregation (tessera.engine.handoff): finished prefills waiting to be taken, imports
         # waiting for room in the batch or the pool, and where exported K/V are written (a
         # transport may hand out shared memory here to save a copy).
@@ -219,6 +221,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        outputs = self._step(started)
+        self._last_step_time = time.perf_counter() - started
+        return outputs
+
+    def _step(self, started: float) -> list[RequestOutput]:
         if self._pending_imports:
             self._admit_imports()
         lookahead = self.spec.plan(self.scheduler.running) if self.spec is not None else None
@@ -405,6 +412,7 @@ class LLMEngine:
             generation_tokens_total=self._generation_tokens_total,
             last_step_num_seqs=self._last_step[0],
             last_step_num_tokens=self._last_step[1],
+            last_step_time_s=self._last_step_time,
             prefix_cache_queries=kv.prefix_queries,
             prefix_cache_hits=kv.prefix_hits,
             prefix_cache_hit_rate=kv.prefix_hit_rate,

@@ -92,13 +92,16 @@ def test_one_slow_step_with_a_prefill_chunk_cuts_the_budget_at_once():
     ap.record_step(0.200, prefill_tokens=8)  # a chunk too small to blame
     assert ap.decide(0.0) == []
     ap.record_step(0.100, prefill_tokens=512)
-    ap.record_step(0.120, prefill_tokens=300)  # the step's worst one is acted on: 300 x 50/120 x 0.9 = 112
+    ap.record_step(0.120, prefill_tokens=300)  # the step's worst one is acted on: 300 x 50/120 x 0.9 = 112.5
     (change,) = ap.decide(1.0)
-    assert (change.old, change.new) == (512, 64)
+    assert (change.old, change.new) == (512, 112)  # whole blocks of 16
     assert "300-token prefill chunk held a decoding request 120.0 ms > ITL objective 50 ms" in change.reason
     assert ap.decide(2.0) == []  # acted on once
-    ap.record_step(0.060, prefill_tokens=64)  # just over, at the floor: nothing smaller to go to
-    assert ap.decide(3.0) == []
+    ap.record_step(0.052, prefill_tokens=112)  # just over: 112 x 50/52 x 0.9 = 96.9 -> 96
+    assert [c.new for c in ap.decide(3.0)] == [96]
+    ap.budget = 64
+    ap.record_step(0.060, prefill_tokens=64)  # at the floor: nothing smaller to go to
+    assert ap.decide(4.0) == []
     no_objective = pilot()
     no_objective.record_step(1.0, prefill_tokens=512)
     assert no_objective.decide(0.0) == []
@@ -114,12 +117,34 @@ def test_on_step_reports_the_steps_longest_gap_and_prefill_tokens():
     class Stats:
         prefix_cache_queries = prefix_cache_hits = 0
         last_step_num_seqs, last_step_num_tokens = 3, 3 + 255  # two decodes and a 256-token chunk
+        last_step_time_s = None  # no cost estimate: only the gaps act
 
     ap.on_step([out("a"), out("b")], Stats(), 0.0)  # first tokens
     ap.on_step([out("a"), out("b")], Stats(), 0.020)
     assert ap.changes == []
-    ap.on_step([out("a"), out("b")], Stats(), 0.120)  # a 100 ms gap: 255 x 50/100 x 0.9 = 114 -> 64
-    assert [(c.old, c.new) for c in ap.changes] == [(512, 64)]
+    ap.on_step([out("a"), out("b")], Stats(), 0.120)  # a 100 ms gap: 255 x 50/100 x 0.9 = 114.75 -> 112
+    assert [(c.old, c.new) for c in ap.changes] == [(512, 112)]
+
+
+def test_measured_step_costs_cap_the_budget_before_any_request_waits():
+    ap = pilot(slo_itl_ms=50, step_fill=0.8)
+    ap.record_step(0.0, prefill_tokens=400, step_time_s=0.100)  # the first prompt, alone: 0.25 ms a token
+    (change,) = ap.decide(0.0)  # 40 ms of room / 0.25 ms = 160 tokens
+    assert (change.old, change.new, ap.budget_cap) == (512, 160, 160)
+    assert "0.250 ms per prompt token" in change.reason
+    for t in (0.010, 0.012, 0.010):  # decode-only steps: the median, 10 ms, is left for the decodes
+        ap.record_step(0.0, prefill_tokens=0, step_time_s=t)
+    ap.record_step(0.0, prefill_tokens=160, step_time_s=0.400)  # a step the machine slowed: not the minimum
+    ap.record_step(0.0, prefill_tokens=160, step_time_s=0.034)  # (34 - 10) / 160 = 0.15 ms a token
+    assert ap.decide(1.0) == []  # the cap only cuts: (40 - 10) / 0.15 = 200 > 160
+    assert ap.budget_cap == 192
+    # TTFT may raise the budget again, but never past what the measured costs fit under ITL.
+    ap2 = pilot(slo_itl_ms=50, slo_ttft_ms=100, ttft_window=2)
+    ap2.budget = 128
+    ap2.record_step(0.0, prefill_tokens=100, step_time_s=0.020)  # 0.2 ms a token: cap 200 -> 192
+    for _ in range(2):
+        ap2.record_ttft(0.5)
+    assert [c.new for c in ap2.decide(2.0)] == [192]
 
 
 def test_budget_doubles_for_ttft_only_while_itl_has_room():
@@ -215,6 +240,7 @@ def test_on_step_with_fed_outputs():
     class Stats:
         prefix_cache_queries = prefix_cache_hits = 0
         last_step_num_tokens = last_step_num_seqs = 2  # decodes only: no step reaction
+        last_step_time_s = None
 
     ap.on_step([out("a", 1, first=0.3), out("b", 1, first=0.4)], Stats(), 0.4)
     assert [c.new for c in ap.changes] == [1024]  # both first tokens were 300+ ms late
