@@ -139,6 +139,10 @@ class AsyncLLMEngine:
     def model_config(self):
         return self.engine.model_config
 
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.scheduler.max_num_seqs
+
     def stats(self) -> EngineStats:
         """The engine's stats as of the end of its last step (a snapshot; safe from any thread)."""
         return self._stats

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from tessera.config import EngineConfig, resolve_dtype
-from tessera.engine.handoff import SequenceHandoff, kv_shape, read_kv, write_kv
+from tessera.engine.handoff import SequenceHandoff, kv_nbytes, read_kv, write_kv
 from tessera.engine.kv_cache import KVCacheManager
 from tessera.engine.kv_sizing import num_kv_blocks
 from tessera.engine.model_runner import ModelRunner
@@ -325,14 +325,15 @@ class LLMEngine:
 
     def _export_handoff(self, state: _RequestState, seq: Sequence) -> None:
         n = seq.num_computed_tokens  # the prompt; the first token's K/V are computed by the next engine
-        kv = read_kv(self.runner.kv_caches, seq.block_table, self.kv.block_size, n,
-                     out=self.kv_export_alloc(kv_shape(self.runner.kv_caches, n), self.runner.kv_caches[0][0].dtype))
+        caches = self.runner.kv_caches
+        kv = read_kv(caches, seq.block_table, self.kv.block_size, n,
+                     out=self.kv_export_alloc((kv_nbytes(caches, n),), torch.uint8))
         gen = self._generators.get(seq.seq_id)
         handoff = SequenceHandoff(
             request_id=seq.request_id, prompt_token_ids=list(seq.prompt_token_ids),
             output_token_ids=list(seq.output_token_ids), params=state.params, num_kv_tokens=n,
             output_logprobs=list(seq.output_logprobs), generator_state=gen.get_state() if gen is not None else None,
-            kv_shape=tuple(kv.shape), kv_dtype=str(kv.dtype).removeprefix("torch."),
+            kv_nbytes=kv.numel(),
         )
         self._handoffs[seq.request_id] = (handoff, kv)
 
@@ -351,9 +352,15 @@ class LLMEngine:
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
         self._validate_prompt(handoff.prompt_token_ids, handoff.params)
-        if kv is not None and handoff.num_kv_tokens != len(handoff.prompt_token_ids) + len(handoff.output_token_ids) - 1:
-            raise ValueError(f"request {rid}: K/V for {handoff.num_kv_tokens} tokens, but it has "
-                             f"{len(handoff.prompt_token_ids) + len(handoff.output_token_ids)}: all but the last needed")
+        if kv is not None:
+            if handoff.num_kv_tokens != len(handoff.prompt_token_ids) + len(handoff.output_token_ids) - 1:
+                raise ValueError(f"request {rid}: K/V for {handoff.num_kv_tokens} tokens, but it has "
+                                 f"{len(handoff.prompt_token_ids) + len(handoff.output_token_ids)}: all but the "
+                                 f"last needed")
+            if kv.numel() != kv_nbytes(self.runner.kv_caches, handoff.num_kv_tokens):
+                raise ValueError(f"request {rid}: {kv.numel()} bytes of K/V for {handoff.num_kv_tokens} tokens, but "
+                                 f"this engine's cache takes {kv_nbytes(self.runner.kv_caches, handoff.num_kv_tokens)}: "
+                                 f"the engines differ in model or --kv-cache-dtype")
         now = time.monotonic()
         state = _RequestState(rid, None, list(handoff.prompt_token_ids), handoff.params,
                               arrival_time if arrival_time is not None else now)
@@ -386,14 +393,14 @@ class LLMEngine:
             if seq.is_finished:  # aborted while it waited
                 self._pending_imports.pop(0)
                 continue
-            n = kv.shape[2]
+            n = seq.num_tokens - 1  # all but the last token have K/V
             if not self.kv.allocate_for_admission(seq, 1, num_restored_tokens=n):
                 break
             self._pending_imports.pop(0)
             if getattr(self.kv, "host", None) is not None:  # demotions of evicted blocks must leave before we overwrite
                 demote, promote = self.kv.take_block_copies()
                 self.runner.swap_blocks(demote, promote)
-            write_kv(self.runner.kv_caches, seq.block_table, self.kv.block_size, kv, seq.num_cached_tokens)
+            write_kv(self.runner.kv_caches, seq.block_table, self.kv.block_size, kv, n, seq.num_cached_tokens)
             self.kv.commit_computed(seq)
             sched.add_running(seq)
 

@@ -10,8 +10,10 @@ under their prefix hashes (the same SHA-256 chain on every host) and decodes on.
 The same object without K/V resumes a sequence whose engine died: the new engine recomputes
 prompt and outputs (as after a recompute preemption) and streams on from where the client is.
 
-K/V travel as one tensor [num_layers, 2 (k, v), num_tokens, num_kv_heads, head_dim]: exactly the
-rows the prompt filled, not the padding of its last block.
+K/V travel as one flat byte buffer: for each layer, each of its cache tensors (k and v, plus
+their scales when the cache is quantized, --kv-cache-dtype) contributes the rows of the tokens the
+prompt filled, in token order; not the padding of its last block. Bytes keep every cache dtype
+(bf16, int8 codes) transportable, and both engines must use the same cache layout.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from tessera.outputs import TokenLogprobs
 from tessera.sampling import SamplingParams
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+KVCaches = list[tuple[torch.Tensor, ...]]
 
 
 @dataclass
@@ -40,8 +42,7 @@ class SequenceHandoff:
     # The seeded sampler's state (torch.Generator.get_state()), so a seeded request samples on
     # exactly as it would have on one engine.
     generator_state: torch.Tensor | None = None
-    kv_shape: tuple[int, ...] = ()
-    kv_dtype: str = ""
+    kv_nbytes: int = 0
 
 
 def token_slots(block_table: list[int], block_size: int, start: int, end: int) -> torch.Tensor:
@@ -51,30 +52,51 @@ def token_slots(block_table: list[int], block_size: int, start: int, end: int) -
     return table[positions // block_size] * block_size + positions % block_size
 
 
-def kv_shape(kv_caches: KVCaches, num_tokens: int) -> tuple[int, ...]:
-    k = kv_caches[0][0]
-    return (len(kv_caches), 2, num_tokens, *k.shape[1:])
+def kv_nbytes(kv_caches: KVCaches, num_tokens: int) -> int:
+    """Bytes of the K/V (and scales) of num_tokens tokens across all layers."""
+    return num_tokens * sum(t[0].numel() * t.element_size() for layer in kv_caches for t in layer)
+
+
+def kv_parts(kv_caches: KVCaches, buffer: torch.Tensor, num_tokens: int) -> list[list[torch.Tensor]]:
+    """Views of a handoff buffer (uint8) shaped like each cache tensor's rows: [layer][part]."""
+    views, offset = [], 0
+    for layer in kv_caches:
+        row = []
+        for t in layer:
+            n = num_tokens * t[0].numel() * t.element_size()
+            row.append(buffer[offset : offset + n].view(t.dtype).view(num_tokens, *t.shape[1:]))
+            offset += n
+        views.append(row)
+    if offset != buffer.numel():
+        raise ValueError(f"the K/V of {num_tokens} tokens take {offset} bytes in this engine's cache layout, but "
+                         f"{buffer.numel()} bytes came: the engines differ in model or --kv-cache-dtype")
+    return views
 
 
 def read_kv(kv_caches: KVCaches, block_table: list[int], block_size: int, num_tokens: int,
             out: torch.Tensor | None = None) -> torch.Tensor:
-    """Copy the K/V of a sequence's first num_tokens positions into `out` (or a new tensor)."""
+    """Copy the cache rows of a sequence's first num_tokens positions into `out` (a uint8 buffer
+    of kv_nbytes, or a new one) and return it."""
     rows = token_slots(block_table, block_size, 0, num_tokens)
     if out is None:
-        out = torch.empty(kv_shape(kv_caches, num_tokens), dtype=kv_caches[0][0].dtype)
-    for layer, (k, v) in enumerate(kv_caches):
-        torch.index_select(k, 0, rows, out=out[layer, 0])
-        torch.index_select(v, 0, rows, out=out[layer, 1])
+        out = torch.empty(kv_nbytes(kv_caches, num_tokens), dtype=torch.uint8)
+    for layer, views in zip(kv_caches, kv_parts(kv_caches, out, num_tokens), strict=True):
+        for t, view in zip(layer, views, strict=True):
+            if t.device == view.device:
+                torch.index_select(t, 0, rows, out=view)
+            else:  # an accelerator's pool into host memory
+                view.copy_(t.index_select(0, rows.to(t.device)))
     return out
 
 
-def write_kv(kv_caches: KVCaches, block_table: list[int], block_size: int, kv: torch.Tensor, start: int) -> None:
-    """Write rows start .. of `kv` (a read_kv tensor) into the sequence's blocks; rows before
-    `start` are already in the cache (a prefix-cache hit) and are not copied."""
-    end = kv.shape[2]
-    if start >= end:
+def write_kv(kv_caches: KVCaches, block_table: list[int], block_size: int, buffer: torch.Tensor, num_tokens: int,
+             start: int) -> None:
+    """Write rows start .. num_tokens-1 of a read_kv buffer into the sequence's blocks; rows
+    before `start` are already in the cache (a prefix-cache hit) and are not copied."""
+    views = kv_parts(kv_caches, buffer, num_tokens)
+    if start >= num_tokens:
         return
-    rows = token_slots(block_table, block_size, start, end)
-    for layer, (k, v) in enumerate(kv_caches):
-        k.index_copy_(0, rows, kv[layer, 0, start:end].to(k.dtype))
-        v.index_copy_(0, rows, kv[layer, 1, start:end].to(v.dtype))
+    rows = token_slots(block_table, block_size, start, num_tokens).to(kv_caches[0][0].device)
+    for layer, layer_views in zip(kv_caches, views, strict=True):
+        for t, view in zip(layer, layer_views, strict=True):
+            t.index_copy_(0, rows, view[start:num_tokens].to(t.device))

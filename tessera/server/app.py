@@ -42,11 +42,12 @@ def create_app(config: EngineConfig, served_model_name: str | None = None, api_k
 def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, *, served_model_name: str,
               api_key: str | None = None, model_root: str | None = None, owns_engine: bool = True,
               limits: ServerLimits | None = None, allowed_origins: list[str] | None = None) -> FastAPI:
-    """The app over a running AsyncLLMEngine (whose observer should be `metrics`); when the app
-    owns the engine, its shutdown stops the engine thread."""
+    """The app over a running AsyncLLMEngine (whose observer should be `metrics`), or anything
+    with its surface (tessera.disagg's router); when the app owns the engine, its shutdown stops
+    the engine thread."""
     metrics.bind_stats(engine.stats)
     limits = limits or ServerLimits()
-    admission = AdmissionController(limits, engine.engine.scheduler.max_num_seqs)
+    admission = AdmissionController(limits, engine.max_num_seqs)
     metrics.registry.register(AdmissionCollector(admission, served_model_name))
     server = OpenAIServer(engine, served_model_name, model_root, limits, admission)
 

@@ -48,6 +48,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allowed-origins", default=None,
                         help="comma-separated origins allowed by CORS, e.g. https://app.example (default: CORS off)")
     add_engine_arguments(parser)
+    from tessera.disagg.args import add_cluster_arguments
+
+    add_cluster_arguments(parser)  # --prefill-workers, --decode-workers, --data-parallel, --ray-address, ...
     from tessera.advisor.commands import add_serve_advisor_arguments
 
     add_serve_advisor_arguments(parser)  # --config, --record-trace, --autopilot, --slo-ttft-ms, --slo-itl-ms
@@ -81,8 +84,20 @@ def run_server(args: argparse.Namespace) -> int:
 
     api_key = args.api_key or os.environ.get("TESSERA_API_KEY") or None
     origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()] if args.allowed_origins else None
-    app = create_app(engine_config_from_args(args), served_model_name=args.served_model_name, api_key=api_key,
-                     limits=server_limits_from_args(args), allowed_origins=origins)
+    from tessera.disagg.args import cluster_config_from_args
+
+    cluster = cluster_config_from_args(args)
+    if cluster.enabled:  # workers on Ray behind a router (tessera.disagg)
+        from tessera.disagg.serve import create_disagg_app
+
+        if getattr(args, "autopilot", False):
+            raise SystemExit("--autopilot drives one in-process engine; it does not run with --prefill-workers, "
+                             "--decode-workers or --data-parallel")
+        app = create_disagg_app(engine_config_from_args(args), cluster, served_model_name=args.served_model_name,
+                                api_key=api_key, limits=server_limits_from_args(args), allowed_origins=origins)
+    else:
+        app = create_app(engine_config_from_args(args), served_model_name=args.served_model_name, api_key=api_key,
+                         limits=server_limits_from_args(args), allowed_origins=origins)
     from tessera.advisor.commands import attach_serve_advisor
 
     attach_serve_advisor(app, args)

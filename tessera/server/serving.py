@@ -65,7 +65,7 @@ class OpenAIServer:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.limits = limits or ServerLimits()
-        self.admission = admission or AdmissionController(self.limits, engine.engine.scheduler.max_num_seqs)
+        self.admission = admission or AdmissionController(self.limits, engine.max_num_seqs)
 
     # ---- simple routes ------------------------------------------------------------------------
 
