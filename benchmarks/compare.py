@@ -134,20 +134,22 @@ def print_table(results: dict[str, dict], args) -> None:
     print(f"\n(a) {args.num_requests} requests x {args.input_len} in x {args.output_len} out; "
           f"(b) one {args.input_len}-token request, {args.output_len} out; {args.threads} threads, "
           f"{os.cpu_count()} cores")
-    head = (f"{'engine':15s} {'(a) s':>7s} {'out tok/s':>9s} {'vs tessera':>10s} {'(b) TTFT ms':>11s} "
+    head = (f"{'engine':15s} {'(a) s':>7s} {'out tok/s':>9s} {'vs tessera':>10s} {'prefill s':>9s} {'(b) TTFT ms':>11s} "
             f"{'decode tok/s':>12s} {'same':>4s}  weights")
     print(head)
     for name, r in results.items():
         if not r.get("ok"):
-            print(f"{name:15s} {'-':>7s} {'-':>9s} {'-':>10s} {'-':>11s} {'-':>12s} {'-':>4s}  "
+            print(f"{name:15s} {'-':>7s} {'-':>9s} {'-':>10s} {'-':>9s} {'-':>11s} {'-':>12s} {'-':>4s}  "
                   f"not run: {r.get('error', '?')[:90]}")
             continue
         t, s = r["throughput"], r["single"]
         rel = (f"{base['throughput']['seconds'] / t['seconds']:9.2f}x" if base.get("ok") else f"{'-':>10s}")
         same = t.get("leading_tokens_equal_to_tessera_f32", "-")
-        print(f"{name:15s} {t['seconds']:7.1f} {t['out_tok_s']:9.1f} {rel} {1000 * s['ttft_s']:11.0f} "
+        pre = f"{t['prefill_only_s']:9.1f}" if "prefill_only_s" in t else f"{'-':>9s}"
+        print(f"{name:15s} {t['seconds']:7.1f} {t['out_tok_s']:9.1f} {rel} {pre} {1000 * s['ttft_s']:11.0f} "
               f"{s['decode_tok_s']:12.1f} {same:>4}  {r['weights']}")
     print("(vs tessera: the engine's throughput over tessera-f32's; > 1 means faster than Tessera. "
+          "prefill s: (a') the same number of prompts, 1 token each; "
           "same: leading greedy tokens of request 0 equal to tessera-f32's)")
 
 
@@ -185,6 +187,8 @@ def main() -> None:
         "single_reps": args.single_reps, "gguf_q4_1": args.gguf, "hf_folder": args.hf_folder,
         "throughput_prompts": make_prompts(args.num_requests, args.input_len, vocab, seed=0),
         "single_prompts": make_prompts(2 * args.single_reps + 1, args.input_len, vocab, seed=1),
+        # (a)'s prefill alone, timed on fresh prompts so that no prefix cache serves them
+        "prefill_prompts": make_prompts(args.num_requests, args.input_len, vocab, seed=2),
     }
     out_path = Path(args.out)
     previous = json.loads(out_path.read_text()) if out_path.is_file() else {}

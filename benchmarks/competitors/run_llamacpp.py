@@ -95,6 +95,9 @@ def main() -> None:
         tput = throughput_result(time.perf_counter() - t0, prompts, out_len)
         assert all(len(o) == out_len for o in outs)
         tput["first_request_tokens"] = outs[0]
+        t0 = time.perf_counter()
+        generate(bctx, w["prefill_prompts"], 1)  # as many fresh prompts, 1 token each: the prefill share
+        tput["prefill_only_s"] = time.perf_counter() - t0
         lc.llama_free(bctx)
 
         sctx, _ = make_ctx(1, ctx_len)

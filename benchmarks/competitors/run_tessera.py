@@ -42,6 +42,9 @@ def main() -> None:
         outs = generate(w["throughput_prompts"], out_len)
         tput = throughput_result(time.perf_counter() - t0, w["throughput_prompts"], out_len)
         tput["first_request_tokens"] = outs[0]
+        t0 = time.perf_counter()
+        generate(w["prefill_prompts"], 1)  # as many fresh prompts (no prefix-cache hits), 1 token each
+        tput["prefill_only_s"] = time.perf_counter() - t0
         single = single_stream(lambda p, n: generate([p], n), w["single_prompts"], out_len, w["single_reps"])
         repo = Path(__file__).resolve().parents[2]
         commit = subprocess.run(["git", "-C", str(repo), "describe", "--always", "--dirty"],
