@@ -16,7 +16,7 @@ prefill included; the machine is shared, so the plain and adaptive rows are run 
 alternating, and their medians compared; tokens per CPU-second of this process are shown too. One model load serves every row: the engine's speculative decoder is
 swapped between rows.
 
-    flock /tmp/tessera-bench.lock python benchmarks/speculative.py --num-threads 1
+    /tmp/tools/quiet .venv/bin/python benchmarks/speculative.py --num-threads 1
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ Penalties and logprobs are not handled here: the engine does not speculate for s
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -69,59 +69,70 @@ def rejection_sample(
     proposals were drawn from, or None for a deterministic proposal (q a point mass). Returns the
     output tokens (accepted proposals + one drawn token) and the number accepted.
     """
-    k = len(proposals)
-    if draft is None:
-        return _verify_point_mass(target, proposals, generator)
-    x = torch.tensor(list(proposals), device=target.device)
-    rows = torch.arange(k, device=target.device)
-    p_x = target[rows, x]
-    q_x = draft[rows, x]
-    u = torch.rand(k, generator=generator, device=target.device)
-    # u < p/q, written without the division; a token q gave no mass to cannot have been drawn.
-    accepted = (u * q_x < p_x).tolist()
-    m = accepted.index(False) if False in accepted else k
-    if m < k:
-        residual = (target[m] - draft[m]).clamp_min_(0.0)
-        if not float(residual.sum()) > 0.0:
-            residual = target[m]  # p == q up to rounding: rejection had probability ~0
-        last = int(exponential_race(residual[None], [generator])[0])
-    else:
-        last = int(exponential_race(target[k : k + 1], [generator])[0])
-    return [*proposals[:m], last], m
+    result = _sample_rows(lambda seqs, j: target[j : j + 1].expand(len(seqs), -1), [list(proposals)], [0],
+                          [draft], [generator])
+    return result[0]
 
 
-def _verify_point_mass(target: torch.Tensor, proposals: Sequence[int],
-                       generator: torch.Generator | None) -> tuple[list[int], int]:
-    """Draw y_j ~ p_j row by row with plain decoding's noise; accept x_{j+1} iff y_j == x_{j+1}.
+def _sample_rows(
+    probs_at: Callable[[list[int], int], torch.Tensor],
+    proposals: Sequence[Sequence[int]],
+    seqs: Sequence[int],
+    drafts: Sequence[torch.Tensor | None],
+    generators: Sequence[torch.Generator | None],
+) -> list[tuple[list[int], int]]:
+    """Sampling verification of several sequences, row by row: (tokens, accepted) per sequence.
 
-    A seeded generator is left exactly where plain decoding would leave it after the drawn
-    tokens: one `vocab`-sized exponential draw per output token, none for the rows not reached.
+    probs_at(seqs, j) gives p_j of each listed sequence as rows of a [len(seqs), V] tensor; it
+    is asked only for the rows verification reaches (every row up to the first rejection), all
+    sequences still going at depth j in one call. Building p_j is the costly part on a CPU: top-p
+    sorts the whole vocabulary, and rows past a rejection are never looked at.
+
+    Point-mass proposals (drafts[i] None) draw y_j ~ p_j with exponential_race, the Sampler's own
+    draw (a seeded request: `vocab` numbers from its generator per row reached, as plain decoding
+    takes them), and accept x_{j+1} iff y_j == x_{j+1}. Draft proposals are accepted when
+    u_j q_j(x) < p_j(x) with u_j uniform (all k drawn first), else end with a draw from
+    max(0, p_j - q_j) normalized; a sequence that accepts all k draws its last token from p_k.
     """
-    k, vocab = len(proposals), target.shape[-1]
-    if generator is None:
-        noise = torch.empty(k + 1, vocab, device=target.device).exponential_()
-        states = None
-    else:
-        noise = torch.empty(k + 1, vocab, device=target.device)
-        states = []
-        for j in range(k + 1):
-            noise[j] = _row_noise(vocab, generator, target.device)
-            states.append(generator.get_state())
-    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    drawn = (target / noise).argmax(dim=-1).tolist()
-    m = 0
-    while m < k and drawn[m] == proposals[m]:
-        m += 1
-    if states is not None:
-        generator.set_state(states[m])
-    return [*proposals[:m], drawn[m]], m
-
-
-def _row_noise(vocab: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    # The Sampler's draw for a seeded row, number for number.
-    if generator.device == device:
-        return torch.empty(vocab, device=device).exponential_(generator=generator)
-    return torch.empty(vocab, device=generator.device).exponential_(generator=generator).to(device)
+    out: list[tuple[list[int], int] | None] = [None] * len(proposals)
+    uniforms = {i: torch.rand(len(proposals[i]), generator=generators[i], device=drafts[i].device).tolist()
+                for i in seqs if drafts[i] is not None and proposals[i]}
+    active = list(seqs)
+    j = 0
+    while active:
+        probs = probs_at(active, j)
+        going: list[int] = []
+        point = [n for n, i in enumerate(active) if drafts[i] is None]
+        if point:
+            drawn = exponential_race(probs[point] if len(point) < len(active) else probs,
+                                     [generators[active[n]] for n in point]).tolist()
+            for n, y in zip(point, drawn, strict=True):
+                i = active[n]
+                if j < len(proposals[i]) and y == proposals[i][j]:
+                    going.append(i)
+                else:
+                    out[i] = ([*proposals[i][:j], y], j)
+        for n, i in enumerate(active):
+            q = drafts[i]
+            if q is None:
+                continue
+            p = probs[n]
+            if j < len(proposals[i]):
+                x = proposals[i][j]
+                # u < p/q, written without the division; a token q gave no mass cannot have been drawn.
+                if uniforms[i][j] * float(q[j, x]) < float(p[x]):
+                    going.append(i)
+                    continue
+                residual = (p - q[j]).clamp_min_(0.0)
+                if not float(residual.sum()) > 0.0:
+                    residual = p  # p == q up to rounding: rejection had probability ~0
+                p = residual
+            y = int(exponential_race(p[None], [generators[i]])[0])
+            out[i] = ([*proposals[i][:j], y], j)
+        still = set(going)
+        active = [i for i in active if i in still]  # in row order
+        j += 1
+    return [out[i] for i in seqs]
 
 
 def verify(
@@ -144,30 +155,31 @@ def verify(
     row_outputs = [range(n + j) for n, c in zip(num_output_tokens, counts, strict=True) for j in range(c)]
     logits = _mask_stop_tokens_before_min_tokens(logits.float(), row_params, row_outputs, set(eos_token_ids))
     greedy_ids = logits.argmax(dim=-1).tolist()
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
     random_seqs = [i for i, p in enumerate(params) if not p.is_greedy]
-    probs = None
+    sampled: dict[int, tuple[list[int], int]] = {}
     if random_seqs:
-        starts = [0]
-        for c in counts:
-            starts.append(starts[-1] + c)
-        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in random_seqs]).to(logits.device)
-        probs = target_probs(logits[rows], [row_params[r] for r in rows.tolist()])
+        def probs_at(seqs: list[int], j: int) -> torch.Tensor:
+            rows = [starts[i] + j for i in seqs]
+            return target_probs(logits[torch.tensor(rows, device=logits.device)], [row_params[r] for r in rows])
+
+        drafts = [draft_probs[i] if draft_probs is not None else None for i in range(len(proposals))]
+        sampled = dict(zip(random_seqs, _sample_rows(probs_at, proposals, random_seqs, drafts, generators),
+                           strict=True))
     token_ids: list[list[int]] = []
     num_accepted: list[int] = []
-    row = random_row = 0
     for i, props in enumerate(proposals):
-        k = len(props)
-        if params[i].is_greedy:
-            target = greedy_ids[row : row + k + 1]
+        if i in sampled:
+            tokens, m = sampled[i]
+        else:
+            k = len(props)
+            target = greedy_ids[starts[i] : starts[i] + k + 1]
             m = 0
             while m < k and target[m] == props[m]:
                 m += 1
             tokens = [*props[:m], target[m]]
-        else:
-            draft = draft_probs[i] if draft_probs is not None else None
-            tokens, m = rejection_sample(probs[random_row : random_row + k + 1], props, draft, generators[i])
-            random_row += k + 1
         token_ids.append(tokens)
         num_accepted.append(m)
-        row += k + 1
     return VerifyResult(token_ids, num_accepted)
