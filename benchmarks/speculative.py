@@ -182,6 +182,7 @@ def main() -> None:
     ap.add_argument("--draft-model", default=None,
                     help="also run --speculative-method draft with this model (self: the target itself)")
     ap.add_argument("--draft-quantization", default="none", help="quantization of the draft model, e.g. int8")
+    ap.add_argument("--methods", default="ngram,draft", help="speculative methods to run (draft needs --draft-model)")
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--out", default="results/speculative.json")
     args = ap.parse_args()
@@ -191,7 +192,7 @@ def main() -> None:
 
     def rows_for(batch: int) -> list[tuple[str | None, int, bool]]:
         methods: list[tuple[str | None, int, bool]] = [(None, 0, False)]
-        for method in ["ngram"] + (["draft"] if args.draft_model else []):
+        for method in [m for m in args.methods.split(",") if m != "draft" or args.draft_model]:
             fixed = ks if batch == 1 else batched_ks
             if method == "draft":
                 fixed = [k for k in fixed if k <= 4]
