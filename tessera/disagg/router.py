@@ -476,6 +476,11 @@ class DisaggRouter:
                 return
 
     def _spawn(self, coro) -> None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # shutdown() off the loop: the workers are stopped anyway
+            coro.close()
+            return
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -177,9 +177,11 @@ def max_goodput_rate(cost: StepCost, transfer: TransferCost, prompt: int, output
         done = simulate(wl, cost, transfer, **cluster)
         return goodput(done, duration_s, slo_ttft_s, slo_itl_s) * duration_s >= attain * len(wl)
 
-    lo, hi = 0.0, 1.0
-    while ok(hi) and hi < 1e4:
+    lo, hi = 0.0, 0.25
+    while ok(hi):  # the simulation's cost grows with the rate: stop at 20k requests
         lo, hi = hi, hi * 2
+        if hi * duration_s > 20_000:
+            return lo
     for _ in range(12):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)

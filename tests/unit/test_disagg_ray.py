@@ -127,3 +127,16 @@ def test_decode_actor_killed_mid_stream(server, reference):
     while len(router.alive) < len(router.workers) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert len(router.alive) == len(router.workers)  # restarted by Ray and back in service
+
+
+def test_ray_object_store_transport_round_trip(server):
+    import torch
+
+    from tessera.disagg.transport import RayObjectStoreTransport
+
+    t = RayObjectStoreTransport()
+    buf = t.alloc((4096,), torch.uint8)
+    buf.copy_(torch.arange(4096) % 253)
+    ref = t.ship(buf)
+    assert isinstance(ref[0], ray.ObjectRef)
+    assert torch.equal(t.receive(ref), torch.arange(4096) % 253)
