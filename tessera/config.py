@@ -15,6 +15,10 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 # --quantization choices (tessera/quant) and the int4 group sizes.
 QUANTIZATION_METHODS = ("none", "int8", "int4", "w8a8", "gguf")
 INT4_GROUP_SIZES = (32, 64, 128)
+# --kv-cache-dtype choices (tessera/quant/kv.py): the model dtype, or 1-byte codes with scales.
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+# --sparsity choices (tessera/quant/sparse.py): 2:4 prunes each group of 4 weights to 2.
+SPARSITY_PATTERNS = ("none", "2:4")
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,10 @@ class EngineConfig:
     quantization: str = "none"
     quantize_lm_head: bool = False
     quant_group_size: int = 32
+    # KV cache element format: auto (the model dtype) | int8 | fp8 (one byte + a scale per token
+    # and KV head); 2:4 structured sparsity of the quantized linear weights, pruned at load.
+    kv_cache_dtype: str = "auto"
+    sparsity: str = "none"
     # The host KV tier: GiB of host memory for a second block pool that preempted sequences are
     # swapped to (0 = none), and how a preempted sequence gets its K/V back: recompute, swap
     # (when the host pool has room), or auto (swap when measured cheaper than recompute).
@@ -135,6 +143,16 @@ class EngineConfig:
         if self.quant_group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"--quant-group-size {self.quant_group_size}: choose one of "
                              f"{', '.join(map(str, INT4_GROUP_SIZES))}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: choose one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.kv_cache_dtype != "auto" and self.attention_backend == "triton":
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} is implemented in the torch attention backend "
+                             "only: use --attention-backend torch, or --kv-cache-dtype auto")
+        if self.sparsity not in SPARSITY_PATTERNS:
+            raise ValueError(f"--sparsity {self.sparsity!r}: choose one of {', '.join(SPARSITY_PATTERNS)}")
+        if self.sparsity != "none" and self.quantization == "gguf":
+            raise ValueError("--sparsity 2:4 prunes float weights before quantizing them; it cannot be combined "
+                             "with --quantization gguf (the file's own blocks): use none, int8, int4 or w8a8")
         if self.swap_space < 0:
             raise ValueError(f"--swap-space must be >= 0 GiB, got {self.swap_space}")
         if self.speculative_method not in (None, "ngram", "draft"):

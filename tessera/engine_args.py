@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tessera.config import INT4_GROUP_SIZES, QUANTIZATION_METHODS
+from tessera.config import INT4_GROUP_SIZES, KV_CACHE_DTYPES, QUANTIZATION_METHODS, SPARSITY_PATTERNS
 
 
 def parse_memory(text: str) -> int:
@@ -31,6 +31,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize-lm-head", action="store_true", help="quantize the lm_head (output projection) too")
     p.add_argument("--quant-group-size", type=int, choices=list(INT4_GROUP_SIZES), default=32,
                    help="weights per scale / zero point in --quantization int4")
+    p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                   help="KV cache elements: auto (the model dtype), int8 or fp8 (e4m3; both one byte plus a "
+                        "scale per token and KV head: ~3.8x the tokens of a float32 pool; torch backend only)")
+    p.add_argument("--sparsity", choices=list(SPARSITY_PATTERNS), default="none",
+                   help="2:4: keep the 2 largest of each 4 weights of the linear layers (no speed-up on CPU; "
+                        "saves memory only with --quantization none, which stores them compressed)")
     p.add_argument("--swap-space", type=float, default=0.0,
                    help="GiB of host memory for the host KV tier that preempted sequences are swapped to")
     p.add_argument("--preemption-mode", choices=["recompute", "swap", "auto"], default="auto",
@@ -61,6 +67,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         quantization=args.quantization,
         quantize_lm_head=args.quantize_lm_head,
         quant_group_size=args.quant_group_size,
+        kv_cache_dtype=args.kv_cache_dtype,
+        sparsity=args.sparsity,
         swap_space=args.swap_space,
         preemption_mode=args.preemption_mode,
         speculative_method=args.speculative_method,

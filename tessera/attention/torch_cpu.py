@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from tessera.attention.backend import AttentionBackend
 from tessera.attention.metadata import AttentionMetadata
+from tessera.quant.kv import is_quantized, write_quantized
 
 
 @dataclass
@@ -139,17 +140,23 @@ class TorchCPUAttention(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        k_cache, v_cache = kv_cache
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
-        k_cache.index_copy_(0, metadata.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, metadata.slot_mapping, v.to(v_cache.dtype))
+        # A quantized cache (--kv-cache-dtype int8/fp8) also holds scales per (token, KV head);
+        # everything attends to the dequantized values, a fresh prompt's own K/V included.
+        k_scales, v_scales = (kv_cache[2], kv_cache[3]) if is_quantized(kv_cache) else (None, None)
+        if k_scales is None:
+            k_cache.index_copy_(0, metadata.slot_mapping, k.to(k_cache.dtype))
+            v_cache.index_copy_(0, metadata.slot_mapping, v.to(v_cache.dtype))
+        else:
+            k, v = write_quantized(kv_cache, k, v, metadata.slot_mapping, q.dtype)
         plan = self._plan_for(metadata, num_kv_heads, q.device)
 
         pieces: list[tuple[int, torch.Tensor]] = []  # (first token, [n, H*d] output)
         num_decodes = metadata.num_decode_tokens
         if num_decodes:
-            pieces.append((0, self._decode(q[:num_decodes], k_cache, v_cache, plan, scale)))
+            pieces.append((0, self._decode(q[:num_decodes], k_cache, v_cache, plan, scale, k_scales, v_scales)))
         for span, rows, mask in zip(metadata.prefills, plan.span_rows, plan.span_masks, strict=True):
             end = span.query_start + span.query_len
             qs = q[span.query_start : end].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
@@ -161,6 +168,9 @@ class TorchCPUAttention(AttentionBackend):
                 shape = (1, num_kv_heads, span.context_len, head_dim)
                 ks = self._gather(k_cache, rows, shape, "k", q.dtype)
                 vs = self._gather(v_cache, rows, shape, "v", q.dtype)
+                if k_scales is not None:
+                    ks.mul_(self._gather_scales(k_scales, rows, shape, "ks", q.dtype))
+                    vs.mul_(self._gather_scales(v_scales, rows, shape, "vs", q.dtype))
             o = F.scaled_dot_product_attention(
                 qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale,
                 enable_gqa=num_kv_heads != num_heads,
@@ -175,10 +185,20 @@ class TorchCPUAttention(AttentionBackend):
             out[start : start + piece.shape[0]] = piece
         return out
 
+    def _gather_scales(self, scales: torch.Tensor, rows: torch.Tensor, shape: tuple[int, ...], name: str,
+                       dtype: torch.dtype) -> torch.Tensor:
+        """The per-(token, head) scales of a quantized cache at `rows`, as [*shape[:-1], 1]."""
+        return self._gather(scales, rows, (*shape[:-1], 1), name, dtype)
+
     def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _StepPlan, scale: float
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _StepPlan, scale: float,
+        k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Batched decode attention in float32: q [B, H, d] -> [B, H*d]."""
+        """Batched decode attention in float32: q [B, H, d] -> [B, H*d].
+
+        With a quantized cache the codes are converted to float and the scales applied where it
+        is cheapest: a key's scale to its score column (q . (s k) = s (q . k)), a value's to its
+        probability (sum p_l s_l v_l), i.e. g * L multiplies per head instead of L * d."""
         batch, max_context = plan.decode_shape
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = plan.num_kv_heads
@@ -187,7 +207,11 @@ class TorchCPUAttention(AttentionBackend):
         values = self._gather(v_cache, plan.decode_rows, shape, "v", torch.float32)
         grouped_q = (q.float() * scale).reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
         scores = torch.matmul(grouped_q, keys.transpose(-1, -2))  # [B, Hkv, g, L]
+        if k_scales is not None:
+            scores.mul_(self._gather(k_scales, plan.decode_rows, shape[:3], "ks", torch.float32).unsqueeze(2))
         if plan.decode_bias is not None:
             scores.add_(plan.decode_bias)
         probs = torch.softmax(scores, dim=-1)
+        if v_scales is not None:
+            probs.mul_(self._gather(v_scales, plan.decode_rows, shape[:3], "vs", torch.float32).unsqueeze(2))
         return torch.matmul(probs, values).view(batch, num_heads * head_dim)

@@ -19,6 +19,7 @@ from tessera.config import EngineConfig, resolve_dtype
 from tessera.engine.handoff import SequenceHandoff, kv_nbytes, read_kv, write_kv
 from tessera.engine.kv_cache import KVCacheManager
 from tessera.engine.kv_sizing import num_kv_blocks
+from tessera.quant.kv import kv_bytes_per_token
 from tessera.engine.model_runner import ModelRunner
 from tessera.engine.output_processor import SequenceTextState, decode_logprobs
 from tessera.engine.request import Sequence, SequenceStatus
@@ -106,15 +107,15 @@ class LLMEngine:
         model = LlamaForCausalLM(mc, self.dtype, device=config.device, attn_backend=config.attention_backend)
         model.load_weights(files.weights())
         quantize_model(model, config.quantization, quantize_lm_head=config.quantize_lm_head,
-                       group_size=config.quant_group_size, model_files=files)
+                       group_size=config.quant_group_size, model_files=files, sparsity=config.sparsity)
         model.eval()
         self.tokenizer = Tokenizer(path, mc)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         num_blocks = num_kv_blocks(config, mc, self.dtype, self.max_model_len)
         num_host_blocks = num_host_kv_blocks(config.swap_space, config.block_size,
-                                             mc.kv_bytes_per_token(torch.empty((), dtype=self.dtype).element_size()))
-        self.runner = ModelRunner(model, num_blocks, config.block_size, num_host_blocks)
+                                             kv_bytes_per_token(mc, self.dtype, config.kv_cache_dtype))
+        self.runner = ModelRunner(model, num_blocks, config.block_size, num_host_blocks, config.kv_cache_dtype)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.host_pool = HostBlockPool(num_host_blocks, config.block_size) if num_host_blocks else None
         mode = config.preemption_mode if num_host_blocks else "recompute"

@@ -7,6 +7,7 @@ import logging
 import torch
 
 from tessera.config import EngineConfig, ModelConfig
+from tessera.quant.kv import kv_bytes_per_token
 
 logger = logging.getLogger("tessera")
 
@@ -28,8 +29,8 @@ def available_memory_bytes() -> int:
 
 def num_kv_blocks(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, max_model_len: int) -> int:
     """Blocks in the pool, block 0 (the padding block) included."""
-    element_size = torch.empty((), dtype=dtype).element_size()
-    block_bytes = config.block_size * mc.kv_bytes_per_token(element_size)
+    # int8/fp8 KV (--kv-cache-dtype) counts its 1-byte codes and per-(token, head) scales.
+    block_bytes = config.block_size * kv_bytes_per_token(mc, dtype, config.kv_cache_dtype)
     if config.kv_cache_memory is not None:
         budget = config.kv_cache_memory
     else:

@@ -15,6 +15,7 @@ import torch
 from tessera.attention.metadata import AttentionMetadata, PrefillSpan
 from tessera.engine.request import Sequence
 from tessera.engine.swap import HostKVCache
+from tessera.quant.kv import allocate_kv_cache
 
 
 @dataclass
@@ -27,11 +28,13 @@ class StepInput:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, num_host_blocks: int = 0,
+                 kv_cache_dtype: str = "auto") -> None:
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
+        # Per layer (k, v), or (k codes, v codes, k scales, v scales) for --kv-cache-dtype int8/fp8.
+        self.kv_caches = allocate_kv_cache(model, num_blocks, block_size, kv_cache_dtype)
         # The host KV tier (--swap-space): same layout, blocks copied in and out by swap_blocks.
         self.host_kv = HostKVCache(self.kv_caches, num_host_blocks, block_size) if num_host_blocks else None
         self._block_offsets = torch.arange(block_size, dtype=torch.long)

@@ -10,7 +10,7 @@ Q4_0 and Q4_1 map onto the int4 kernel's format with group size 32 (scale d, zer
 m + 8d): the codes are kept as they are, the scales are rounded from float16 to bfloat16 (the
 kernel's format: a relative change of at most 2^-8 per block scale, far below the 4-bit step).
 Q8_0 keeps its int8 codes and float16 scales as they are and is dequantized in row tiles of about
-1 MiB into the activation dtype for each call (no int8 kernel with per-32 scales exists in torch).
+2 MiB into the activation dtype for each call (no int8 kernel with per-32 scales exists in torch).
 Tensors of other types (float ones, K-quants, Q5) keep the float weight the loader made.
 """
 
@@ -23,7 +23,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from tessera.quant.int4 import Int4Linear
-from tessera.quant.linear import QuantLinear
+from tessera.quant.linear import QuantLinear, tile_rows_for, tiled_matmul
 
 logger = logging.getLogger("tessera")
 
@@ -72,33 +72,29 @@ class Q8_0Linear(QuantLinear):
     """A GGUF Q8_0 weight: int8 codes with a float16 scale per 32, dequantized in tiles per call."""
 
     method = "gguf Q8_0"
-    kernels = ("dequant_tiles",)
-    TILE_BYTES = 1 << 20
+    kernels = ("dequant",)
 
     def __init__(self, codes: torch.Tensor, d: torch.Tensor) -> None:
         super().__init__(codes.shape[0], codes.shape[1])
         self.register_buffer("codes", codes.contiguous())
         self.register_buffer("d", d.to(torch.float16).contiguous())  # the file's own scales, exactly
-        self.tile_rows = max(16, self.TILE_BYTES // (4 * self.in_features))
+
+    def _fill(self, start: int, end: int, tile: torch.Tensor) -> None:
+        tile.copy_(self.codes[start:end])
+        tile.view(end - start, -1, BLOCK).mul_(self.d[start:end, :, None].to(tile.dtype))
 
     def dequantize(self) -> torch.Tensor:
-        return self._dequant_rows(0, self.out_features, torch.float32)
-
-    def _dequant_rows(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
-        w = self.codes[start:end].to(dtype).view(end - start, -1, BLOCK)
-        return w.mul_(self.d[start:end, :, None].to(dtype)).view(end - start, self.in_features)
+        w = torch.empty(self.out_features, self.in_features)
+        self._fill(0, self.out_features, w)
+        return w
 
     def select_kernel(self, num_rows: int) -> str:
-        return "dequant_tiles"
+        return "dequant"
 
     def run_kernel(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
-        if kernel != "dequant_tiles":
+        if kernel != "dequant":
             raise ValueError(f"unknown Q8_0 kernel {kernel!r}; have {self.kernels}")
-        out = x.new_empty(x.shape[0], self.out_features)
-        for start in range(0, self.out_features, self.tile_rows):
-            end = min(start + self.tile_rows, self.out_features)
-            torch.matmul(x, self._dequant_rows(start, end, x.dtype).t(), out=out[:, start:end])
-        return out
+        return tiled_matmul(x, self.out_features, tile_rows_for(self.in_features), self._fill)
 
 
 def _decode(tensor) -> tuple | None:

@@ -16,8 +16,8 @@ Kernels (measured on an AMD Zen 3 without AVX-512, one thread, weights cold in c
 - "int4pack": `aten._weight_int4pack_mm_for_cpu` with bf16 activations: 1.2-2x the float32 GEMM
   at M <= 4 (it reads half a byte per weight), slower from M = 16 on; float32 or float16
   activations are 10-100x slower (scalar code), so x goes in as bf16.
-- "dequant": unpack to float and run the float GEMM; for prefill-sized M the unpack is a small
-  fraction of the GEMM.
+- "dequant": unpack a tile of row blocks at a time into float and multiply it (see
+  `_dequant_matmul`); for prefill-sized M the unpack is a small fraction of the GEMM.
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
-from tessera.quant.linear import QuantLinear
+from tessera.quant.linear import TILE_BYTES, QuantLinear, scratch, tile_rows_for, tiled_matmul
 
 # Largest M for which int4pack beats unpack + float32 GEMM (1.2-2.6x at M = 4, 0.7-0.8x at 16).
 INT4PACK_MAX_ROWS = 8
+# From this M on, "dequant" fills row-major tiles and runs plain GEMMs (see _dequant_matmul).
+ROW_MAJOR_MIN_ROWS = 128
 _ROW_MULTIPLE = 16  # the kernel handles row blocks of 16, 32, 48 or 64
 
 
@@ -120,14 +121,27 @@ class Int4Linear(QuantLinear):
     def codes(self) -> torch.Tensor:
         return unpack_codes(self.packed, self.padded_rows, self.in_features, packed_layout())[: self.out_features]
 
-    def _scale_zero(self) -> tuple[torch.Tensor, torch.Tensor]:
-        sz = self.scales_zeros[:, : self.out_features].float()  # [groups, N, 2]
-        return sz[..., 0].t().contiguous()[..., None], sz[..., 1].t().contiguous()[..., None]  # [N, groups, 1]
+    def _fill(self, start: int, end: int, tile: torch.Tensor) -> None:
+        """Rows start..end-1 (start at a block boundary) dequantized into tile [rows, K], exactly
+        (q - 8) * s + z."""
+        k, rows, block = self.in_features, end - start, packed_layout()
+        packed = self.packed.view(-1)[start * k // 2 : end * k // 2]
+        full = rows // block if block else 0  # layout 0: all rows stored in pairs
+        if full:
+            blocks = packed[: full * k * block // 2].view(full, k, block // 2)
+            t = tile[: full * block].view(full, block, k)
+            t[:, : block // 2].copy_((blocks & 15).transpose(1, 2))
+            t[:, block // 2 :].copy_((blocks >> 4).transpose(1, 2))
+        if rows > full * block:  # a tail block of 16..48 rows
+            tile[full * block :].copy_(unpack_codes(packed[full * k * block // 2 :], rows - full * block, k, 0))
+        sz = self.scales_zeros[:, start:end].to(tile.dtype)  # [groups, rows, 2]
+        groups = tile.view(rows, self.num_groups, self.group_size)
+        groups.sub_(8).mul_(sz[..., 0].t()[..., None]).add_(sz[..., 1].t()[..., None])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        scale, zero = self._scale_zero()
-        q = self.codes().to(torch.float32).sub_(8).view(self.out_features, self.num_groups, self.group_size)
-        return torch.addcmul(zero, q, scale).view(self.out_features, self.in_features).to(dtype)
+        w = torch.empty(self.padded_rows, self.in_features, dtype=dtype)
+        self._fill(0, self.padded_rows, w)
+        return w[: self.out_features]
 
     def select_kernel(self, num_rows: int) -> str:
         return "int4pack" if num_rows <= INT4PACK_MAX_ROWS else "dequant"
@@ -139,5 +153,41 @@ class Int4Linear(QuantLinear):
             )
             return y[:, : self.out_features].to(x.dtype)
         if kernel == "dequant":
-            return F.linear(x, self.dequantize(x.dtype))
+            return self._dequant_matmul(x)
         raise ValueError(f"unknown int4 kernel {kernel!r}; have {self.kernels}")
+
+    def _dequant_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T, dequantizing a tile of row blocks at a time in the packed layout itself.
+
+        A packed block is k-major ([K, block rows], low nibbles then high nibbles), which is
+        already the [K, N] operand x @ W.T wants: unpacking it needs no transpose, and each
+        block is multiplied as one batch entry of a bmm. W = q * s + (z - 8 s) per group.
+        """
+        k, block, gs, groups = self.in_features, packed_layout(), self.group_size, self.num_groups
+        m = x.shape[0]
+        if m >= ROW_MAJOR_MIN_ROWS or not block:
+            # Prefill-sized M: GEMMs over tiles of hundreds of rows beat one bmm entry per
+            # 32-row block (0.9x at M = 256); the transpose into row-major is cheap next to them.
+            y = tiled_matmul(x, self.padded_rows, tile_rows_for(k, max(block, _ROW_MULTIPLE)), self._fill)
+            return y[:, : self.out_features] if self.padded_rows > self.out_features else y
+        num_blocks = self.padded_rows // block
+        tile_blocks = max(1, TILE_BYTES // (4 * k * block))
+        buf = scratch(tile_blocks * k * block, x.dtype, x.device)
+        packed = self.packed.view(-1)
+        y = x.new_empty(m, self.padded_rows)
+        for b0 in range(0, num_blocks, tile_blocks):
+            b1 = min(b0 + tile_blocks, num_blocks)
+            nb, rows = b1 - b0, slice(b0 * block, b1 * block)
+            p = packed[b0 * block * k // 2 : b1 * block * k // 2].view(nb, k, block // 2)
+            t = buf[: nb * k * block].view(nb, k, block)
+            t[..., : block // 2].copy_(p & 15)
+            t[..., block // 2 :].copy_(p >> 4)
+            sz = self.scales_zeros[:, rows].to(x.dtype).view(groups, nb, 1, block, 2).transpose(0, 1)
+            scale = sz[..., 0]  # [nb, groups, 1, block]
+            t.view(nb, groups, gs, block).mul_(scale).add_(sz[..., 1] - 8 * scale)
+            y[:, rows].view(m, nb, block).copy_(torch.matmul(x, t).transpose(0, 1))
+        if self.padded_rows > num_blocks * block:  # a tail block of 16..48 rows, stored in pairs
+            tail = torch.empty(self.padded_rows - num_blocks * block, k, dtype=x.dtype)
+            self._fill(num_blocks * block, self.padded_rows, tail)
+            y[:, num_blocks * block :] = x @ tail.t()
+        return y[:, : self.out_features] if self.padded_rows > self.out_features else y

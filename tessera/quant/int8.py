@@ -8,16 +8,16 @@ weights cold in cache; `benchmarks/quant.py --kernels` re-measures):
 - "int8pack": `aten._weight_int8pack_mm` with bf16 activations. It reads 1 byte per weight and is
   about 1.4x faster than the float32 GEMM at M = 1, but loses from M = 16 on (bf16 arithmetic is
   emulated on this CPU). Fed float32 activations it is 5-10x slower still, so x goes in as bf16.
-- "dequant": convert the codes to the activation dtype and run the float GEMM, scaling the output
-  columns: the float32 GEMM's speed plus one conversion pass over the weight.
+- "dequant": convert the codes to the activation dtype tile by tile (tiled_matmul) and run the
+  float GEMM on each tile, scaling the output columns: the float32 GEMM's speed plus one
+  conversion pass over the weight.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from tessera.quant.linear import QuantLinear
+from tessera.quant.linear import QuantLinear, tile_rows_for, tiled_matmul
 
 # Largest M for which int8pack beats dequantize + float32 GEMM (measured 1.2-1.9x at M = 4,
 # 0.7-0.9x at M = 16).
@@ -60,5 +60,9 @@ class Int8Linear(QuantLinear):
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale_bf16)
             return y.to(x.dtype)
         if kernel == "dequant":
-            return F.linear(x, self.qweight.to(x.dtype)).mul_(self.scale.to(x.dtype))
+            def fill(start: int, end: int, tile: torch.Tensor) -> None:
+                tile.copy_(self.qweight[start:end])
+
+            y = tiled_matmul(x, self.out_features, tile_rows_for(self.in_features), fill)
+            return y.mul_(self.scale.to(x.dtype))
         raise ValueError(f"unknown int8 kernel {kernel!r}; have {self.kernels}")

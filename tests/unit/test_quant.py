@@ -272,3 +272,39 @@ def test_gguf_q4_on_the_int4_kernel(qtype):
     for kernel in layer.kernels:
         err = (layer(x, kernel=kernel).double() - reference(x, want)).abs()
         assert (err <= bound(x, want, 2**-7)).all()
+
+
+# ---- tiled dequantization ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_tiled_dequant_kernels_across_tile_boundaries(monkeypatch, n, k):
+    """With tiles of a few rows, every dequantizing kernel runs many tiles (uneven ones, and the
+    int4 tail block of 16..48 rows) and still equals x @ dequantize().T; int4 at M = 130 takes
+    the row-major tile path, below it the k-major block path."""
+    import tessera.quant.int4 as int4
+    import tessera.quant.linear as linear
+
+    monkeypatch.setattr(linear, "TILE_BYTES", 4 * k * 24)  # 24 float32 rows a tile
+    monkeypatch.setattr(int4, "TILE_BYTES", 4 * k * 24)
+    w = weight(n, k)
+    d = (w.view(n, -1, 32).abs().amax(-1) / 127).half().clamp_min(1e-4)
+    q8 = torch.round(w.view(n, -1, 32) / d.float()[..., None]).clamp(-127, 127).to(torch.int8).view(n, k)
+    layers = [Int8Linear.from_float(w), Int4Linear.from_float(w, 32), Q8_0Linear(q8, d)]
+    for layer in layers:
+        ref_w = layer.dequantize()
+        for m in (9, 33, 130):
+            x = activations(m, k)
+            y = layer(x, kernel="dequant")
+            assert y.shape == (m, n)
+            err = (y.double() - reference(x, ref_w)).abs()
+            assert (err <= bound(x, ref_w, 1e-5)).all(), (type(layer).__name__, m, float(err.max()))
+
+
+def test_int4_dequantize_equals_codes_times_scales():
+    """The tiled unpacking in the packed layout gives exactly (q - 8) * s + z."""
+    layer = Int4Linear.from_float(weight(267, 64), 32)
+    q = layer.codes().float().view(267, 2, 32)
+    sz = layer.scales_zeros[:, :267].float()  # [groups, N, 2]
+    expected = (q - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
+    assert torch.equal(layer.dequantize(), expected.view(267, 64))

@@ -203,6 +203,27 @@ def test_perplexity_matches_transformers(tiny_model_dir, window, stride):
     assert result.perplexity == pytest.approx(math.exp(total / scored), rel=1e-5)
 
 
+def test_perplexity_scores_each_token_once_with_its_intended_context(tiny_model_dir):
+    """A naive reference, one forward pass per token: token t is scored once, with context
+    ids[s:t], s the start of the first window (starts 0, stride, 2 stride, ...) that holds t
+    past its overlap with the previous one: s = stride * max(0, ceil((t + 1 - window) / stride)).
+    So every token sees min(t, window - stride) tokens of context at least. Windows longer
+    than the 128 logit rows per chunk and a last window cut short by the text's end included."""
+    model = load(tiny_model_dir)
+    gen = torch.Generator().manual_seed(7)
+    for n, window, stride in [(170, 150, 40), (61, 24, 23), (45, 20, 1)]:
+        ids = torch.randint(0, 260, (n,), generator=gen).tolist()
+        total = 0.0
+        for t in range(1, n):
+            s = stride * max(0, -(-(t + 1 - window) // stride))
+            assert t - s >= min(t, window - stride) and t - s < window
+            row = logits(model, ids[s:t])[-1:]
+            total += float(F.cross_entropy(row, torch.tensor([ids[t]]), reduction="sum"))
+        result = perplexity(model, ids, window=window, stride=stride)
+        assert result.num_scored == n - 1
+        assert result.perplexity == pytest.approx(math.exp(total / (n - 1)), rel=1e-5)
+
+
 def test_perplexity_windows_must_overlap(tiny_model_dir):
     with pytest.raises(ValueError, match="stride must be in 1..window - 1"):
         perplexity(load(tiny_model_dir), list(range(50)), window=16, stride=16)
