@@ -19,7 +19,6 @@ from tessera.config import EngineConfig, resolve_dtype
 from tessera.engine.handoff import SequenceHandoff, kv_nbytes, read_kv, write_kv
 from tessera.engine.kv_cache import KVCacheManager
 from tessera.engine.kv_sizing import num_kv_blocks
-from tessera.quant.kv import kv_bytes_per_token
 from tessera.engine.model_runner import ModelRunner
 from tessera.engine.output_processor import SequenceTextState, decode_logprobs
 from tessera.engine.request import Sequence, SequenceStatus
@@ -32,6 +31,7 @@ from tessera.model.tokenizer import Tokenizer
 from tessera.model.weights import load_model_files
 from tessera.outputs import RequestMetrics, RequestOutput
 from tessera.quant import quantize_model
+from tessera.quant.kv import kv_bytes_per_token
 from tessera.sampling import SamplingParams
 from tessera.spec.decoder import SpeculativeDecoder
 
