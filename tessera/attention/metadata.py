@@ -44,6 +44,9 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None  # [num_decodes, max_context] long
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] bool, True = attend
     prefills: list[PrefillSpan]
+    # Leading context positions every decode reads from the same slots (a shared prefix-cached
+    # prompt); 0 = none. Backends may gather them once (tessera.attention.cascade) or ignore it.
+    decode_shared_len: int = 0
 
     @property
     def num_tokens(self) -> int:

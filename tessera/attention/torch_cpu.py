@@ -7,6 +7,10 @@ the development CPU this beats SDPA with enable_gqa, and gathering head-major be
 slot-major and transposing (one pass over the K/V bytes instead of two). Decode attention stays
 in float32 because CPU SDPA/matmul in bf16 at a single query row is very slow.
 
+When every decode of a step reads the same leading blocks (a shared prompt from the prefix
+cache), the model runner says how many positions (decode_shared_len) and the decodes go through
+tessera.attention.cascade: the shared K/V are gathered once instead of once per sequence.
+
 Prefill spans use SDPA in the model dtype: a fresh prompt attends to its own new K/V with
 is_causal (no cache read); a chunk with earlier context gathers its context from the cache and
 uses a bottom-right causal mask built once per step.
@@ -20,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.attention.backend import AttentionBackend
+from tessera.attention.cascade import cascade_decode_attention
 from tessera.attention.metadata import AttentionMetadata
 from tessera.quant.kv import is_quantized, write_quantized
 
@@ -35,6 +40,12 @@ class _StepPlan:
     decode_rows: torch.Tensor | None
     decode_bias: torch.Tensor | None  # [B, 1, 1, L]: 0 = attend, -inf = padding
     decode_shape: tuple[int, int]  # (B, L)
+    # Cascade decodes (decode_shared_len P > 0): rows of the shared prefix in [Hkv, P] order,
+    # rows and bias of each sequence's own suffix in [B, Hkv, L - P] order.
+    decode_prefix_len: int
+    decode_prefix_rows: torch.Tensor | None
+    decode_suffix_rows: torch.Tensor | None
+    decode_suffix_bias: torch.Tensor | None
     # Prefill spans: None for a fresh prompt (attends to its own new K/V, causal), else the
     # head-major rows of its context and its [query_len, context_len] bool mask.
     span_rows: list[torch.Tensor | None]
@@ -59,6 +70,13 @@ def _build_plan(metadata: AttentionMetadata, num_kv_heads: int, device: torch.de
             mask = metadata.decode_mask.reshape(decode_shape[0], 1, 1, decode_shape[1])
             decode_bias = torch.zeros(mask.shape, dtype=torch.float32, device=device)
             decode_bias.masked_fill_(~mask, float("-inf"))
+    prefix_len = metadata.decode_shared_len if num_decodes else 0
+    prefix_rows = suffix_rows = suffix_bias = None
+    if prefix_len:
+        slots = metadata.decode_slots
+        prefix_rows = (heads.view(-1, 1) + slots[0, :prefix_len].view(1, -1) * num_kv_heads).reshape(-1)
+        suffix_rows = (slots[:, prefix_len:].unsqueeze(1) * num_kv_heads + heads.view(1, -1, 1)).reshape(-1)
+        suffix_bias = decode_bias[..., prefix_len:].contiguous() if decode_bias is not None else None
     span_rows: list[torch.Tensor | None] = []
     span_masks: list[torch.Tensor | None] = []
     covered = num_decodes
@@ -80,6 +98,10 @@ def _build_plan(metadata: AttentionMetadata, num_kv_heads: int, device: torch.de
         decode_rows=decode_rows,
         decode_bias=decode_bias,
         decode_shape=decode_shape,
+        decode_prefix_len=prefix_len,
+        decode_prefix_rows=prefix_rows,
+        decode_suffix_rows=suffix_rows,
+        decode_suffix_bias=suffix_bias,
         span_rows=span_rows,
         span_masks=span_masks,
     )
@@ -199,6 +221,8 @@ class TorchCPUAttention(AttentionBackend):
         With a quantized cache the codes are converted to float and the scales applied where it
         is cheapest: a key's scale to its score column (q . (s k) = s (q . k)), a value's to its
         probability (sum p_l s_l v_l), i.e. g * L multiplies per head instead of L * d."""
+        if plan.decode_prefix_len and k_scales is None:
+            return self._cascade_decode(q, k_cache, v_cache, plan, scale)
         batch, max_context = plan.decode_shape
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = plan.num_kv_heads
@@ -215,3 +239,21 @@ class TorchCPUAttention(AttentionBackend):
         if v_scales is not None:
             probs.mul_(self._gather(v_scales, plan.decode_rows, shape[:3], "vs", torch.float32).unsqueeze(2))
         return torch.matmul(probs, values).view(batch, num_heads * head_dim)
+
+    def _cascade_decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _StepPlan, scale: float
+    ) -> torch.Tensor:
+        """Decode attention with the shared prefix gathered once (tessera.attention.cascade)."""
+        batch, max_context = plan.decode_shape
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = plan.num_kv_heads
+        prefix_len = plan.decode_prefix_len
+        prefix_shape = (num_kv_heads, prefix_len, head_dim)
+        suffix_shape = (batch, num_kv_heads, max_context - prefix_len, head_dim)
+        prefix_k = self._gather(k_cache, plan.decode_prefix_rows, prefix_shape, "pk", torch.float32)
+        prefix_v = self._gather(v_cache, plan.decode_prefix_rows, prefix_shape, "pv", torch.float32)
+        suffix_k = self._gather(k_cache, plan.decode_suffix_rows, suffix_shape, "k", torch.float32)
+        suffix_v = self._gather(v_cache, plan.decode_suffix_rows, suffix_shape, "v", torch.float32)
+        grouped_q = (q.float() * scale).reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        out = cascade_decode_attention(grouped_q, prefix_k, prefix_v, suffix_k, suffix_v, plan.decode_suffix_bias)
+        return out.reshape(batch, num_heads * head_dim)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tessera.attention.cascade import shared_prefix_len
 from tessera.attention.metadata import AttentionMetadata, PrefillSpan
 from tessera.engine.request import Sequence
 from tessera.engine.swap import HostKVCache
@@ -63,6 +64,7 @@ class ModelRunner:
         # Decodes: one token each, at position num_computed_tokens (the last token).
         decode_seqs = [seq for seq, _ in scheduled[:num_decodes]]
         decode_slots = decode_mask = None
+        decode_shared_len = 0
         slot_parts: list[torch.Tensor] = []
         if decode_seqs:
             ctx_lens = [seq.num_computed_tokens + 1 for seq in decode_seqs]
@@ -79,6 +81,7 @@ class ModelRunner:
             lens = torch.tensor(ctx_lens, dtype=torch.long)
             decode_mask = (torch.arange(max_ctx) < lens.unsqueeze(1)).view(len(decode_seqs), 1, 1, max_ctx)
             slot_parts.append(decode_slots.gather(1, (lens - 1).unsqueeze(1)).squeeze(1))
+            decode_shared_len = shared_prefix_len(tables, ctx_lens, bs)
             sample_rows.extend(range(num_decodes))
             sample_seqs.extend(decode_seqs)
 
@@ -112,6 +115,7 @@ class ModelRunner:
             decode_slots=decode_slots,
             decode_mask=decode_mask,
             prefills=prefills,
+            decode_shared_len=decode_shared_len,
         )
         return StepInput(
             input_ids=torch.tensor(input_ids, dtype=torch.long),
