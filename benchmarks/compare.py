@@ -54,6 +54,8 @@ def engines(args) -> dict[str, Engine]:
                "float32 (Q4_1 dequantized at load), fp32 KV"),
         Engine("tessera-gguf", me, "run_tessera.py", ("--quantization", "gguf"),
                "Q4_1 blocks kept (--quantization gguf), fp32 KV"),
+        Engine("tessera-gguf-head", me, "run_tessera.py", ("--quantization", "gguf", "--quantize-lm-head"),
+               "Q4_1 blocks kept, tied lm_head from the file's Q8_0 too (as llama.cpp), fp32 KV"),
         Engine("transformers", me, "run_transformers.py", (),
                "float32 (Q4_1 dequantized by transformers), static batches of 8"),
         Engine("vllm", vllm_py, "run_vllm.py", (), "float32 safetensors (Q4_1 dequantized), fp32 KV"),
@@ -156,7 +158,7 @@ def print_table(results: dict[str, dict], args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", default=DEFAULT_ENGINES,
-                    help=f"comma-separated, from: tessera-f32, tessera-gguf, transformers, vllm, vllm-1proc, "
+                    help=f"comma-separated, from: tessera-f32, tessera-gguf, tessera-gguf-head, transformers, vllm, vllm-1proc, "
                          f"llamacpp-q4_1, llamacpp-f32 (default {DEFAULT_ENGINES})")
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=256)

@@ -16,6 +16,7 @@ from common import Timer, load_workload, run_and_write, runner_args, single_stre
 def main() -> None:
     ap = runner_args(__doc__)
     ap.add_argument("--quantization", default="none")
+    ap.add_argument("--quantize-lm-head", action="store_true")
     args = ap.parse_args()
     w = load_workload(args.workload)
 
@@ -27,6 +28,7 @@ def main() -> None:
 
         with Timer() as load:
             llm = LLM(w["gguf_q4_1"], dtype="auto", quantization=args.quantization,
+                      quantize_lm_head=args.quantize_lm_head,
                       max_num_batched_tokens=512, max_num_seqs=64, num_threads=w["threads"])
         dtype = str(llm.engine.dtype).removeprefix("torch.")
 
@@ -50,7 +52,7 @@ def main() -> None:
         commit = subprocess.run(["git", "-C", str(repo), "describe", "--always", "--dirty"],
                                 capture_output=True, text=True).stdout.strip()
         return {"version": f"tessera {tessera.__version__} ({commit})", "torch": torch.__version__,
-                "threads": torch.get_num_threads(), "dtype": dtype, "quantization": args.quantization,
+                "threads": torch.get_num_threads(), "dtype": dtype, "quantization": args.quantization, "quantize_lm_head": args.quantize_lm_head,
                 "load_s": load.seconds, "throughput": tput, "single": single}
 
     run_and_write(args.out, body)
