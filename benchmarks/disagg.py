@@ -189,7 +189,8 @@ def simulate_cluster(cal: dict, args) -> list[dict]:
     cost = StepCost(**cal["step_cost"])
     transfer = TransferCost(**cal["transfer"])
     workers = args.sim_workers
-    splits = [("colocated", dict(colocated_workers=workers))]
+    # Colocated gets its best prefill chunk (a smaller chunk stalls decodes less, prefills slower).
+    splits = [(f"colocated/{b}", dict(colocated_workers=workers, budget=b)) for b in (128, 512)]
     for p in (1, 2, workers // 2):
         if 0 < p < workers and ("p", p) not in [("p", s[1].get("prefill_workers")) for s in splits]:
             splits.append((f"{p}P+{workers - p}D", dict(prefill_workers=p, decode_workers=workers - p)))
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--num-streams", type=int, default=16)
     p.add_argument("--stream-prompt", type=int, default=64)
-    p.add_argument("--stream-tokens", type=int, default=4000)
+    p.add_argument("--stream-tokens", type=int, default=1000, help="streams are aborted once the long prompts are done")
     p.add_argument("--long-prompts", type=int, default=3)
     p.add_argument("--long-len", type=int, default=2000)
     p.add_argument("--long-interval", type=float, default=4.0)
@@ -224,13 +225,18 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sim-workers", type=int, default=8)
     p.add_argument("--sim-duration", type=float, default=120.0)
     p.add_argument("--skip-live", action="store_true")
+    p.add_argument("--reuse", default=None,
+                   help="take the live results and the calibration from this JSON (an earlier --out) and only simulate")
     p.add_argument("--out", default="benchmarks/results/disagg.json")
     args = p.parse_args(argv)
 
     config = EngineConfig(model=args.model, dtype="float32", max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_model_len=8192, num_threads=1)
+                          max_model_len=8192, num_threads=1, kv_cache_memory=2 << 30)
     result: dict = {"args": vars(args)}
-    if not args.skip_live:
+    reused = json.loads(Path(args.reuse).read_text()) if args.reuse else None
+    if reused:
+        result.update({k: reused[k] for k in ("colocated", "disagg", "itl_p99_ratio", "calibration") if k in reused})
+    if not args.skip_live and not reused:
         import ray
 
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -254,8 +260,11 @@ def main(argv: list[str] | None = None) -> dict:
         ratio = result["disagg"]["itl_p99_ms"] / result["colocated"]["itl_p99_ms"]
         print(f"ITL p99 disaggregated / colocated: {ratio:.2f} (target <= 0.5)")
         result["itl_p99_ratio"] = ratio
-    print("\ncalibrating step and transfer costs ...", file=sys.stderr, flush=True)
-    cal = calibrate(config, args)
+    if reused:
+        cal = reused["calibration"]
+    else:
+        print("\ncalibrating step and transfer costs ...", file=sys.stderr, flush=True)
+        cal = calibrate(config, args)
     result["calibration"] = cal
     c, t = cal["step_cost"], cal["transfer"]
     print(f"\nStep cost: {1e3 * c['base_s']:.1f} ms + {1e3 * c['per_prefill_token_s']:.3f} ms/prompt token + "
