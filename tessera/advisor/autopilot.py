@@ -62,7 +62,7 @@ class AutopilotConfig:
     # The measured-cost cap: a full chunk plus the decodes should take at most this share of the
     # ITL objective; estimates are the minimum (per prompt token) and median (decode-only steps)
     # over the last `cost_samples` steps, so one step slowed by the machine does not move them.
-    step_fill: float = 0.8
+    step_fill: float = 0.7
     cost_samples: int = 8
 
 
@@ -271,7 +271,8 @@ class Autopilot:
 
     def _cut_to_cap(self, now: float) -> list[Change]:
         old = self.budget
-        if self.budget_cap is None or old <= self.budget_cap:
+        # 10% of hysteresis: the estimates drift a little with every step; the budget need not.
+        if self.budget_cap is None or old <= self.budget_cap * 1.1:
             return []
         self.budget = self.budget_cap
         base = percentile(self._decode_step_s, 50) * 1e3 if self._decode_step_s else 0.0

@@ -138,8 +138,12 @@ def test_measured_step_costs_cap_the_budget_before_any_request_waits():
     ap.record_step(0.0, prefill_tokens=160, step_time_s=0.034)  # (34 - 10) / 160 = 0.15 ms a token
     assert ap.decide(1.0) == []  # the cap only cuts: (40 - 10) / 0.15 = 200 > 160
     assert ap.budget_cap == 192
+    ap.budget = 208
+    assert ap.decide(1.5) == []  # within 10% of the cap: the estimates drift, the budget need not
+    ap.budget = 224
+    assert [c.new for c in ap.decide(1.6)] == [192]
     # TTFT may raise the budget again, but never past what the measured costs fit under ITL.
-    ap2 = pilot(slo_itl_ms=50, slo_ttft_ms=100, ttft_window=2)
+    ap2 = pilot(slo_itl_ms=50, slo_ttft_ms=100, ttft_window=2, step_fill=0.8)
     ap2.budget = 128
     ap2.record_step(0.0, prefill_tokens=100, step_time_s=0.020)  # 0.2 ms a token: cap 200 -> 192
     for _ in range(2):
