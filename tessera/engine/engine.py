@@ -345,7 +345,7 @@ class LLMEngine:
 
     def import_handoff(self, handoff: SequenceHandoff, kv: torch.Tensor | None = None,
                        arrival_time: float | None = None) -> None:
-        """Take over a sequence from another engine. With `kv` (the K/V of its first
+        """Take over a sequence from another engine. With `kv` (the read_kv buffer of its first
         handoff.num_kv_tokens tokens) it decodes on at once, copying only the rows the prefix
         cache lacks, and waits in a queue while the batch or the pool is full; without, it is
         queued to recompute prompt and outputs. Raises ValueError if it can never fit."""
