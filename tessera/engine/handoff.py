@@ -73,6 +73,12 @@ def kv_parts(kv_caches: KVCaches, buffer: torch.Tensor, num_tokens: int) -> list
     return views
 
 
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as an integer dtype of the same size: row copies of an fp8 KV cache
+    (--kv-cache-dtype fp8) go through uint8, since CPU index_copy_ has no float8 kernel."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+
+
 def read_kv(kv_caches: KVCaches, block_table: list[int], block_size: int, num_tokens: int,
             out: torch.Tensor | None = None) -> torch.Tensor:
     """Copy the cache rows of a sequence's first num_tokens positions into `out` (a uint8 buffer
@@ -82,6 +88,7 @@ def read_kv(kv_caches: KVCaches, block_table: list[int], block_size: int, num_to
         out = torch.empty(kv_nbytes(kv_caches, num_tokens), dtype=torch.uint8)
     for layer, views in zip(kv_caches, kv_parts(kv_caches, out, num_tokens), strict=True):
         for t, view in zip(layer, views, strict=True):
+            t, view = _raw(t), _raw(view)
             if t.device == view.device:
                 torch.index_select(t, 0, rows, out=view)
             else:  # an accelerator's pool into host memory
@@ -99,4 +106,4 @@ def write_kv(kv_caches: KVCaches, block_table: list[int], block_size: int, buffe
     rows = token_slots(block_table, block_size, start, num_tokens).to(kv_caches[0][0].device)
     for layer, layer_views in zip(kv_caches, views, strict=True):
         for t, view in zip(layer, layer_views, strict=True):
-            t.index_copy_(0, rows, view[start:num_tokens].to(t.device))
+            _raw(t).index_copy_(0, rows, _raw(view[start:num_tokens]).to(t.device))

@@ -92,6 +92,17 @@ def test_prefill_on_a_decode_on_b_equals_colocated(engines):
     assert decode.kv.prefix_hits - hits_before >= 32
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_quantized_kv_caches_hand_off_their_codes_and_scales(tiny_model_dir, kv_cache_dtype):
+    """With a 1-byte KV cache the handoff carries codes and scales: decode on B equals one engine."""
+    ref, prefill, decode = (make_engine(tiny_model_dir, kv_cache_dtype=kv_cache_dtype) for _ in range(3))
+    rng = random.Random(1)
+    prompts = [[rng.randrange(260) for _ in range(n)] for n in (9, 40, 70)]
+    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)] * len(prompts)
+    got, _ = disaggregated(prefill, decode, prompts, params)
+    assert got == colocated(ref, prompts, params)
+
+
 def test_first_token_that_ends_the_request_stays_on_prefill(engines):
     """max_tokens=1, or an EOS first token: the request finishes on the prefill engine with its
     own finish_reason; nothing is handed off."""
