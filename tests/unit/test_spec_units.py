@@ -218,7 +218,9 @@ def test_controller_switches_off_under_low_acceptance_and_large_batches():
     rng = random.Random(0)
     low = SpeculationController(max_k=6)
     ks = feed(low, 1, accept=0.05, plain_s=0.030, extra_s_per_token=0.004, steps=300, rng=rng)
-    assert sum(k > 0 for k in ks) <= 8  # the first probe, a few retries, and re-probes
+    # The first probes, then retries every 8, 16, 32... steps (about 6 in 300 steps; retries
+    # that never backed off would be 37).
+    assert sum(k > 0 for k in ks) <= 16
     # Batch 16 on a machine where each speculating sequence costs about as much as a decode.
     big = SpeculationController(max_k=6)
     ks = feed(big, 16, accept=0.5, plain_s=0.040, extra_s_per_token=0.008, steps=300, rng=rng)
@@ -231,6 +233,43 @@ def test_controller_comes_back_on_when_acceptance_recovers():
     feed(controller, 1, accept=0.05, plain_s=0.030, extra_s_per_token=0.002, steps=100, rng=rng)
     ks = feed(controller, 1, accept=0.95, plain_s=0.030, extra_s_per_token=0.002, steps=400, rng=rng)
     assert all(k >= 3 for k in ks[-50:])
+
+
+def test_a_key_dropped_after_one_rejection_is_retried_soon_and_comes_back():
+    # Batch 1 on this CPU: a plain step 68 ms, a verification of 4 tokens 75 ms more. A fresh
+    # match length (prior 0.3) is rejected once: 0.13, plus one standard error 0.30, pays at no k.
+    key, group = ("r", 0, 2), ("match", 2)
+    cand = Candidate(0, 8, key, group, 0.3)
+
+    def run(controller, steps, accepted, batch=1):  # accepted(k): proposals the verification accepts
+        ks = []
+        for _ in range(steps):
+            k = controller.choose([cand], batch).get(0, 0)
+            if k:
+                controller.record_verification(key, k, accepted(k))
+            controller.record_step(batch, 1 if k else 0, 0.068 + (0.075 if k else 0.0))
+            ks.append(k)
+        return ks
+
+    def after_one_rejection(batch=1):
+        controller = SpeculationController(max_k=8)
+        assert controller.choose([cand], batch) == {}  # step 1: no plain step measured yet
+        controller.record_step(batch, 0, 0.068)
+        controller.costs(batch).extra[4] = 0.075
+        controller.record_verification(key, 8, 0)
+        assert controller.optimistic_acceptance(key) == pytest.approx(0.3033, abs=1e-4)
+        return controller
+
+    # Still rejected: retried at 2 tokens on steps 9, 17, 33 (every 8 steps, then backing off),
+    # within a 128-token request (retries every 256 steps never came).
+    ks = run(after_one_rejection(), 58, lambda k: 0)
+    assert [step for step, k in enumerate(ks, 2) if k] == [9, 17, 33] and set(ks) == {0, 2}
+    # Accepted in full at the retry: the optimizer takes it from there at the largest k.
+    ks = run(after_one_rejection(), 28, lambda k: k)
+    assert ks == [0] * 7 + [2] + [8] * 20
+    # Intervals count steps per sequence of the batch: at batch 2 (same costs) every 16 steps.
+    ks = run(after_one_rejection(batch=2), 68, lambda k: 0, batch=2)
+    assert [step for step, k in enumerate(ks, 2) if k] == [17, 33, 65]
 
 
 def test_fixed_mode_always_speculates_k():
