@@ -13,5 +13,8 @@ def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
         for _ in range(n):
             tok = int(res.logits[0, -1].argmax())
             out.append(tok)
-            res = hf_model(torch.tensor([[tok]]), past_key_values=res.past_key_values, use_cache=True)
+            # transformers 5 returns and takes `cache` (`past_key_values` is deprecated); 4.x the latter.
+            cache = getattr(res, "cache", None)
+            past = {"cache": cache} if cache is not None else {"past_key_values": res.past_key_values}
+            res = hf_model(torch.tensor([[tok]]), use_cache=True, **past)
     return out
