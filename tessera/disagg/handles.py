@@ -25,25 +25,29 @@ class WorkerHandle(ABC):
         self.name = f"{role}-{next(_names)}"
 
     @abstractmethod
-    async def info(self) -> WorkerInfo: ...
+    async def _run(self, method: str, *args):
+        """Call the worker's `method`; raise WorkerDiedError if the worker is gone."""
 
-    @abstractmethod
-    async def ping(self) -> bool: ...
+    async def info(self) -> WorkerInfo:
+        return await self._run("info")
 
-    @abstractmethod
-    async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, handoff: bool) -> None: ...
+    async def ping(self) -> bool:
+        return await self._run("ping")
 
-    @abstractmethod
-    async def import_handoff(self, handoff: SequenceHandoff, kv_ref: object) -> float: ...
+    async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, handoff: bool) -> None:
+        await self._run("add", request_id, prompt_ids, params, handoff)
 
-    @abstractmethod
-    async def discard(self, kv_ref: object) -> None: ...
+    async def import_handoff(self, handoff: SequenceHandoff, kv_ref: object) -> float:
+        return await self._run("import_handoff", handoff, kv_ref)
 
-    @abstractmethod
-    async def abort(self, request_ids: list[str]) -> None: ...
+    async def discard(self, kv_ref: object) -> None:
+        await self._run("discard", kv_ref)
 
-    @abstractmethod
-    async def poll(self, timeout_s: float) -> tuple[list[WorkerEvent], WorkerLoad]: ...
+    async def abort(self, request_ids: list[str]) -> None:
+        await self._run("abort", request_ids)
+
+    async def poll(self, timeout_s: float) -> tuple[list[WorkerEvent], WorkerLoad]:
+        return await self._run("poll", timeout_s)
 
     def shutdown(self) -> None:  # noqa: B027 - optional
         pass
@@ -81,27 +85,6 @@ class LocalWorkerHandle(WorkerHandle):
             raise WorkerDiedError(f"worker {self.name} is gone")
         return result
 
-    async def info(self) -> WorkerInfo:
-        return await self._run("info")
-
-    async def ping(self) -> bool:
-        return await self._run("ping")
-
-    async def add(self, request_id, prompt_ids, params, handoff) -> None:
-        await self._run("add", request_id, prompt_ids, params, handoff)
-
-    async def import_handoff(self, handoff, kv_ref) -> float:
-        return await self._run("import_handoff", handoff, kv_ref)
-
-    async def discard(self, kv_ref) -> None:
-        await self._run("discard", kv_ref)
-
-    async def abort(self, request_ids) -> None:
-        await self._run("abort", request_ids)
-
-    async def poll(self, timeout_s):
-        return await self._run("poll", timeout_s)
-
     def shutdown(self) -> None:
         self.kill()
 
@@ -118,27 +101,6 @@ class RayWorkerHandle(WorkerHandle):
             return await getattr(self.actor, method).remote(*args)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
             raise WorkerDiedError(f"worker {self.name} is gone: {exc}") from exc
-
-    async def info(self) -> WorkerInfo:
-        return await self._run("info")
-
-    async def ping(self) -> bool:
-        return await self._run("ping")
-
-    async def add(self, request_id, prompt_ids, params, handoff) -> None:
-        await self._run("add", request_id, prompt_ids, params, handoff)
-
-    async def import_handoff(self, handoff, kv_ref) -> float:
-        return await self._run("import_handoff", handoff, kv_ref)
-
-    async def discard(self, kv_ref) -> None:
-        await self._run("discard", kv_ref)
-
-    async def abort(self, request_ids) -> None:
-        await self._run("abort", request_ids)
-
-    async def poll(self, timeout_s):
-        return await self._run("poll", timeout_s)
 
     def shutdown(self) -> None:
         import ray
