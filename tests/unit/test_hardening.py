@@ -23,6 +23,7 @@ import time
 import httpx
 import pytest
 
+from tessera.engine.engine import LLMEngine
 from tessera.server.admission import AdmissionController, ServerLimits
 from tessera.server.app import create_app
 from tests.load.harness import free_port
@@ -282,9 +283,19 @@ def test_server_answers_503_with_retry_after_at_once_when_the_queue_is_full(tiny
 
 @pytest.fixture(scope="module")
 def timeout_server(tiny_model_dir):
+    # On a quiet machine the tiny model finishes 4 x 240 tokens inside the 0.5 s cap; a 5 ms pause
+    # per step makes every request here outlive its timeout (240 steps >= 1.2 s) on any machine.
+    step = LLMEngine.step
+
+    def slow_step(self):
+        time.sleep(0.005)
+        return step(self)
+
     config = dataclasses.replace(engine_config(tiny_model_dir), max_num_seqs=4)
-    with ServerThread(create_app(config, served_model_name=MODEL, limits=ServerLimits(request_timeout=0.5))) as srv:
-        yield srv
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LLMEngine, "step", slow_step)
+        with ServerThread(create_app(config, served_model_name=MODEL, limits=ServerLimits(request_timeout=0.5))) as srv:
+            yield srv
 
 
 def test_request_past_its_timeout_is_aborted_with_a_408_and_its_blocks_freed(timeout_server):
