@@ -229,13 +229,7 @@ class KVCacheManager:
         Tail first, so that among a sequence's cached blocks the head of its prefix, the part
         other requests are most likely to share, is evicted last.
         """
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[block_id] = None
-                if block.block_hash is None:
-                    self._free.move_to_end(block_id, last=False)
+        self._release(reversed(seq.block_table))
         seq.block_table = []
         self._seq_hashes.pop(seq.seq_id, None)
 
@@ -248,16 +242,21 @@ class KVCacheManager:
         """
         assert num_tokens >= seq.num_computed_tokens, "trim would drop computed K/V"
         keep = self.num_blocks_for(num_tokens)
-        for block_id in reversed(seq.block_table[keep:]):
+        self._release(reversed(seq.block_table[keep:]))
+        del seq.block_table[keep:]
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _release(self, block_ids) -> None:
+        """Drop one reference to each block; a block nobody holds joins the free list, at the
+        evict-first end unless it carries a hash (cached contents stay for LRU eviction)."""
+        for block_id in block_ids:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
-        del seq.block_table[keep:]
-
-    # ---- internals --------------------------------------------------------------------------
 
     def _find_cached_prefix(self, seq: Sequence) -> list[bytes]:
         """Hashes of the longest run of cached blocks (on the device or in the host tier)
