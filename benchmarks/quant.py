@@ -23,13 +23,16 @@ import argparse
 import json
 import os
 import platform
-import statistics
+import sys
 import time
 import warnings
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from forward import timed  # noqa: E402
 
 from tessera.attention.metadata import AttentionMetadata, single_sequence_metadata, slots_for_positions
 from tessera.config import DEFAULT_MODEL
@@ -38,17 +41,6 @@ from tessera.quant import weight_memory_bytes
 from tessera.quant.kv import allocate_kv_cache
 
 TARGETS = "targets: int4 and w8a8 decode b1 >= 1.5x; w8a8 decode b32 > 1x; perplexity int8/w8a8 <= +2%, int4 <= +10%"
-
-
-def timed(fn, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def decode_metadata(batch: int, context: int, block_size: int) -> AttentionMetadata:
