@@ -53,6 +53,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--attention-backend", default="auto", help="auto | torch | triton (auto: triton on CUDA, torch on CPU)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run the model step eagerly (no torch.compile, no CUDA graphs): slower, starts at once")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant kernels for every path (same tokens whatever the batch), at a measured cost")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -79,4 +83,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         seed=args.seed,
         num_threads=args.num_threads,
         attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
+        deterministic=args.deterministic,
     )
