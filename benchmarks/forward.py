@@ -39,9 +39,25 @@ SMOLLM2_135M = ModelConfig(
 )
 
 
-def build_model(model: str, dtype: torch.dtype, seed: int) -> LlamaForCausalLM:
+def build_model(model: str, dtype: torch.dtype, seed: int, kernels: str = "invariant") -> LlamaForCausalLM:
+    """kernels: "invariant" (the C++ batch-invariant linears and attention, Tessera's default on
+    CPU) or "torch" (oneDNN/MKL linears, the torch attention backend)."""
+    m = _build_model(model, dtype, seed, "torch" if kernels == "torch" else "auto")
+    if kernels == "invariant":
+        from tessera.config import EngineConfig
+        from tessera.engine.model_runner import prepare_step_kernels
+
+        prepare_step_kernels(m, EngineConfig(), dtype)  # the engine's policy: bf16 on AMX only
+    elif kernels == "deterministic":
+        from tessera.kernels.linear import make_linears_invariant
+
+        make_linears_invariant(m)  # fp32 too, as --deterministic does
+    return m
+
+
+def _build_model(model: str, dtype: torch.dtype, seed: int, backend: str) -> LlamaForCausalLM:
     if model == "random":
-        m = LlamaForCausalLM(SMOLLM2_135M, dtype)
+        m = LlamaForCausalLM(SMOLLM2_135M, dtype, attn_backend=backend)
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for p in m.parameters():
@@ -53,7 +69,7 @@ def build_model(model: str, dtype: torch.dtype, seed: int) -> LlamaForCausalLM:
     from tessera.model.weights import load_model_files
 
     files = load_model_files(model)
-    m = LlamaForCausalLM(files.config, dtype)
+    m = LlamaForCausalLM(files.config, dtype, attn_backend=backend)
     m.load_weights(files.weights())
     return m
 
@@ -89,7 +105,7 @@ def decode_metadata(batch: int, context: int, block_size: int, num_blocks: int, 
 
 
 def bench_dtype(args, dtype: torch.dtype) -> list[dict]:
-    model = build_model(args.model, dtype, args.seed)
+    model = build_model(args.model, dtype, args.seed, args.kernels)
     cfg = model.config
     block_size = args.block_size
     max_batch = max(args.batch_sizes)
@@ -128,6 +144,7 @@ def bench_dtype(args, dtype: torch.dtype) -> list[dict]:
                          tokens_per_s=batch / seconds))
     for row in rows:
         row["dtype"] = str(dtype).removeprefix("torch.")
+        row["kernels"] = args.kernels
     return rows
 
 
@@ -144,6 +161,9 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,32", help="decode batch sizes, comma-separated")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kernels", default="invariant", choices=["invariant", "deterministic", "torch"],
+                        help="invariant: the engine's default on CPU (C++ attention; invariant linears in bf16 on "
+                             "AMX); deterministic: invariant linears in fp32 too; torch: oneDNN/MKL + torch attention")
     parser.add_argument("--out", default="results/forward.json")
     args = parser.parse_args()
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -153,6 +173,7 @@ def main() -> None:
     for name in args.dtype.split(","):
         rows += bench_dtype(args, resolve_dtype(name))
 
+    print(f"kernels: {args.kernels}")
     print(f"{'dtype':<9} {'phase':<8} {'batch':>5} {'context':>7} {'ms/step':>9} {'tokens/s':>9}")
     for r in rows:
         print(f"{r['dtype']:<9} {r['phase']:<8} {r['batch']:>5} {r['context']:>7} {r['ms']:>9.1f} {r['tokens_per_s']:>9.1f}")

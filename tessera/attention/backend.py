@@ -42,6 +42,8 @@ class AttentionBackend(ABC):
     """
 
     name: str = "abstract"
+    # Whether the backend attends over int8/fp8 KV codes with scales (--kv-cache-dtype).
+    supports_quantized_kv: bool = False
 
     def begin_step(self, metadata: AttentionMetadata) -> None:  # noqa: B027 - optional hook
         """Called by the model once per forward, before the first layer. Default: nothing."""
@@ -64,6 +66,7 @@ class AttentionBackend(ABC):
 # nothing unless chosen.
 _BACKENDS: dict[str, str] = {
     "torch": "tessera.attention.torch_cpu:TorchCPUAttention",
+    "invariant": "tessera.attention.invariant_cpu:InvariantCPUAttention",
     "triton": "tessera.attention.triton_gpu:TritonAttention",
 }
 
@@ -78,12 +81,18 @@ def available_attention_backends() -> list[str]:
 
 
 def get_attention_backend(name: str = "auto", device: str | torch.device = "cpu") -> AttentionBackend:
-    """Instantiate the backend called `name`; "auto" picks the best one for `device`
-    (torch on CPU; triton on CUDA when the triton package is installed, else torch)."""
+    """Instantiate the backend called `name`; "auto" picks the best one for `device`: on CPU the
+    batch-invariant C++ kernel (tessera/kernels) when it builds, else torch; on CUDA triton when
+    the triton package is installed, else torch."""
     if name == "auto":
         is_cuda = torch.device(device).type == "cuda"
         has_triton = "triton" in _BACKENDS and importlib.util.find_spec("triton") is not None
-        name = "triton" if is_cuda and has_triton else "torch"
+        if is_cuda:
+            name = "triton" if has_triton else "torch"
+        else:
+            from tessera import kernels
+
+            name = "invariant" if kernels.available() else "torch"
     if name not in _BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}; choose one of {', '.join(available_attention_backends())}"

@@ -47,6 +47,9 @@ class AttentionMetadata:
     # Leading context positions every decode reads from the same slots (a shared prefix-cached
     # prompt); 0 = none. Backends may gather them once (tessera.attention.cascade) or ignore it.
     decode_shared_len: int = 0
+    # Tokens per KV block, for backends that walk block tables (the invariant kernel derives
+    # them from the slots); None = unknown, such backends fall back to the slot gathers.
+    block_size: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -70,4 +73,5 @@ def single_sequence_metadata(num_tokens: int, block_size: int = 16, first_block:
         decode_slots=None,
         decode_mask=None,
         prefills=[PrefillSpan(0, num_tokens, num_tokens, slots)],
+        block_size=block_size,
     )

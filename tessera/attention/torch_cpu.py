@@ -111,6 +111,7 @@ class TorchCPUAttention(AttentionBackend):
     """The reference backend: PyTorch ops only, fastest on CPU, also correct on CUDA."""
 
     name = "torch"
+    supports_quantized_kv = True
 
     def __init__(self) -> None:
         self._plan: _StepPlan | None = None

@@ -19,7 +19,7 @@ from tessera.config import EngineConfig, resolve_dtype
 from tessera.engine.handoff import SequenceHandoff, kv_nbytes, read_kv, write_kv
 from tessera.engine.kv_cache import KVCacheManager
 from tessera.engine.kv_sizing import num_kv_blocks
-from tessera.engine.model_runner import ModelRunner
+from tessera.engine.model_runner import ModelRunner, prepare_step_kernels
 from tessera.engine.output_processor import SequenceTextState, decode_logprobs
 from tessera.engine.request import Sequence, SequenceStatus
 from tessera.engine.sampler import Sampler
@@ -108,6 +108,7 @@ class LLMEngine:
         model.load_weights(files.weights())
         quantize_model(model, config.quantization, quantize_lm_head=config.quantize_lm_head,
                        group_size=config.quant_group_size, model_files=files, sparsity=config.sparsity)
+        prepare_step_kernels(model, config, self.dtype)
         model.eval()
         self.tokenizer = Tokenizer(path, mc)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)

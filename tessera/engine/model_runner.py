@@ -19,6 +19,27 @@ from tessera.engine.swap import HostKVCache
 from tessera.quant.kv import allocate_kv_cache
 
 
+def prepare_step_kernels(model: torch.nn.Module, config, dtype: torch.dtype) -> int:
+    """Put the batch-invariant linear kernels (tessera/kernels) in the model where they pay.
+
+    bf16 on AMX: always (they are as fast as oneDNN at prefill sizes and faster at decode
+    sizes). float32: only with --deterministic (the fixed-order FMA kernel is slower than MKL's
+    prefill GEMM; docs/reproducibility.md has the measured cost). Returns how many weights
+    were swapped."""
+    from tessera.kernels.linear import make_linears_invariant, supported
+
+    if config.device != "cpu":
+        return 0
+    if not supported(dtype):
+        if config.deterministic:
+            raise ValueError(f"--deterministic needs the batch-invariant kernels, which this CPU has not for "
+                             f"{str(dtype).removeprefix('torch.')} (bf16 needs AMX): use --dtype float32")
+        return 0
+    if dtype == torch.bfloat16 or config.deterministic:
+        return make_linears_invariant(model)
+    return 0
+
+
 @dataclass
 class StepInput:
     input_ids: torch.Tensor  # [T] long
@@ -116,6 +137,7 @@ class ModelRunner:
             decode_mask=decode_mask,
             prefills=prefills,
             decode_shared_len=decode_shared_len,
+            block_size=bs,
         )
         return StepInput(
             input_ids=torch.tensor(input_ids, dtype=torch.long),

@@ -66,7 +66,7 @@ def allocate_kv_cache(model, num_blocks: int, block_size: int, kv_cache_dtype: s
     if kv_cache_dtype == "auto":
         return model.allocate_kv_cache(num_blocks, block_size)
     backend = getattr(model, "attn_backend", None)
-    if backend is not None and backend.name != "torch":
+    if backend is not None and not backend.supports_quantized_kv:
         raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} is implemented in the torch attention backend only, "
                          f"not {backend.name!r}: use --attention-backend torch, or --kv-cache-dtype auto")
     code_dtype, _ = _FORMATS[kv_cache_dtype]

@@ -95,8 +95,9 @@ def test_engine_with_cascade_decodes_matches_transformers(tiny_model_dir, monkey
     vocab = hf.config.vocab_size
     system = [rng.randrange(vocab) for _ in range(cascade.MIN_SHARED_TOKENS + 21)]
     prompts = [system + [rng.randrange(vocab) for _ in range(rng.randint(1, 9))] for _ in range(6)]
+    # The cascade is the torch backend's (the invariant kernel reads the prefix in place instead).
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", block_size=4,
-                                    kv_cache_memory=1 << 22, max_num_batched_tokens=256))
+                                    kv_cache_memory=1 << 22, max_num_batched_tokens=256, attention_backend="torch"))
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     engine.add_request("first", prompts[0], params)  # computes the system prompt; the rest hit it
     engine.step()

@@ -1,0 +1,36 @@
+"""Batch-invariant CPU kernels (C++, built at first use): linear layers and paged attention.
+
+`available()` builds `csrc/invariant_kernels.cpp` through `tessera.native` (cached per CPU and
+torch version) and registers the ops under `torch.ops.tessera_inv`. Everything here has a
+pure-torch fallback; callers ask `available()` first.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from tessera.native import load_extension
+
+_SOURCES = (Path(__file__).parent / "csrc" / "invariant_kernels.cpp",)
+
+
+@functools.cache
+def available() -> bool:
+    """True once the invariant kernels are built and loaded (False: use the torch fallbacks)."""
+    return load_extension("tessera_invariant", _SOURCES)
+
+
+@functools.cache
+def cpu_has_amx_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_bf16" in f.read()
+    except OSError:
+        return False
+
+
+def ops():
+    return torch.ops.tessera_inv

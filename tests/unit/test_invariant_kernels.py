@@ -1,0 +1,118 @@
+"""The batch-invariant C++ kernels (tessera/kernels): exact against float64 references, and a
+row's result bit-identical whatever else runs with it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tessera import kernels
+from tessera.attention.invariant_cpu import InvariantCPUAttention
+from tessera.attention.metadata import AttentionMetadata, PrefillSpan, slots_for_positions
+from tessera.kernels.linear import InvariantLinear, supported
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the C++ kernels did not build here")
+
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not supported(torch.bfloat16), reason="bf16 invariant linear needs AMX"))]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(96, 64), (100, 40), (1728, 576), (33, 70)])
+def test_linear_matches_reference_and_is_row_invariant(dtype, shape):
+    gen = torch.Generator().manual_seed(0)
+    n, k = shape
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    x = torch.randn(70, k, generator=gen).to(dtype)
+    layer = InvariantLinear(weight)
+    y = layer(x, bias)
+    ref = F.linear(x.double(), weight.double(), bias.double())
+    tol = 1e-4 if dtype == torch.float32 else 8e-3  # bf16: the output's own rounding
+    assert y.dtype == dtype and y.shape == (70, n)
+    assert ((y.double() - ref).abs() / ref.abs().max()).max() < tol
+    # Row 5 (and row 0) alone, in a small batch, in an odd-sized one: the same bits.
+    for m in (1, 2, 6, 17, 33, 64):
+        part = layer(x[:m], bias)
+        assert torch.equal(part[0], y[0])
+        if m > 5:
+            assert torch.equal(part[5], y[5])
+    # The rows around it do not matter either.
+    shuffled = torch.cat([torch.randn(3, k, generator=gen).to(dtype), x[5:6]])
+    assert torch.equal(layer(shuffled, bias)[3], y[5])
+
+
+def _naive_attention(q, k_cache, v_cache, slots, scale):
+    """q [H, d] attending to the cache rows `slots` (float64, exact softmax)."""
+    h, d = q.shape
+    hkv = k_cache.shape[1]
+    keys, values = k_cache[slots].double(), v_cache[slots].double()
+    out = torch.empty(h, d, dtype=torch.float64)
+    for head in range(h):
+        kv = head // (h // hkv)
+        probs = torch.softmax(keys[:, kv] @ q[head].double() * scale, dim=0)
+        out[head] = probs @ values[:, kv]
+    return out.reshape(-1)
+
+
+def _metadata(decode_tables, decode_ctx, spans, block_size):
+    """Decodes (table, ctx) then prefill spans (table, context_len, query_len)."""
+    slot_mapping, prefills = [], []
+    decode_slots = None
+    mask = None
+    if decode_tables:
+        width = max(decode_ctx)
+        rows = [slots_for_positions(t, 0, c, block_size) + [0] * (width - c) for t, c in zip(decode_tables, decode_ctx)]
+        decode_slots = torch.tensor(rows)
+        mask = (torch.arange(width) < torch.tensor(decode_ctx).unsqueeze(1)).view(len(rows), 1, 1, width)
+        slot_mapping += [r[c - 1] for r, c in zip(rows, decode_ctx)]
+    start = len(slot_mapping)
+    for table, ctx, qlen in spans:
+        slots = torch.tensor(slots_for_positions(table, 0, ctx, block_size))
+        prefills.append(PrefillSpan(start, qlen, ctx, slots))
+        slot_mapping += slots[ctx - qlen:].tolist()
+        start += qlen
+    return AttentionMetadata(torch.tensor(slot_mapping), len(decode_ctx), decode_slots, mask, prefills,
+                             block_size=block_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 2, 16), (9, 3, 64), (4, 1, 32)])
+@pytest.mark.parametrize("block_size", [4, 16, 32])
+def test_paged_attention_matches_softmax_formula(dtype, heads, block_size):
+    h, hkv, d = heads
+    gen = torch.Generator().manual_seed(1)
+    num_blocks = 64
+    k_cache = torch.randn(num_blocks * block_size, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks * block_size, hkv, d, generator=gen).to(dtype)
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    need = lambda c: -(-c // block_size)  # noqa: E731
+    decode_ctx = [1, 37, 5]
+    spans = [(70, 70), (50, 9)]  # a fresh prompt, and a chunk after 41 cached positions
+    tables, cursor = [], 0
+    for c in decode_ctx + [ctx for ctx, _ in spans]:
+        tables.append(perm[cursor: cursor + need(c)])
+        cursor += need(c)
+    md = _metadata(tables[:3], decode_ctx, [(t, c, n) for t, (c, n) in zip(tables[3:], spans)], block_size)
+    num_tokens = md.num_tokens
+    q = torch.randn(num_tokens, h, d, generator=gen).to(dtype)
+    k_new = k_cache[md.slot_mapping].clone()  # write what is there: the cache stays as generated
+    v_new = v_cache[md.slot_mapping].clone()
+    backend = InvariantCPUAttention()
+    backend.begin_step(md)
+    out = backend.forward(0, q, k_new, v_new, (k_cache, v_cache), md, d**-0.5)
+    # Every token against the formula over exactly its context.
+    contexts = [slots_for_positions(t, 0, c, block_size) for t, c in zip(tables[:3], decode_ctx)]
+    for table, (ctx, qlen) in zip(tables[3:], spans):
+        contexts += [slots_for_positions(table, 0, ctx - qlen + j + 1, block_size) for j in range(qlen)]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for t in range(num_tokens):
+        ref = _naive_attention(q[t], k_cache, v_cache, torch.tensor(contexts[t]), d**-0.5)
+        assert (out[t].double() - ref).abs().max() < tol, t
+    # The last token of the chunk, run alone as a one-row decode: the same bits.
+    last = num_tokens - 1
+    alone = _metadata([tables[4]], [spans[1][0]], [], block_size)
+    backend.begin_step(alone)
+    single = backend.forward(0, q[last:], k_new[last:], v_new[last:], (k_cache, v_cache), alone, d**-0.5)
+    assert torch.equal(single[0], out[last])
