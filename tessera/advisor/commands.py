@@ -29,9 +29,8 @@ def add_advisor_commands(sub) -> None:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    from tessera.advisor.profile import DEFAULT_SLO_ITL_MS, DEFAULT_SLO_TTFT_MS
-
     from tessera.advisor.formats import TRACE_FORMATS
+    from tessera.advisor.profile import DEFAULT_SLO_ITL_MS, DEFAULT_SLO_TTFT_MS
 
     p.add_argument("trace", help="a trace: Tessera JSONL (see tessera/advisor/trace.py; `python -m "
                                  "tessera.advisor.trace` writes synthetic ones), Mooncake JSONL, Azure or BurstGPT "
@@ -53,10 +52,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def _run_profile(args: argparse.Namespace):
+    from tessera.advisor.formats import detect_format
     from tessera.advisor.profile import load_model_info, measure_costs_by_mode, profile_trace, quantization_modes
     from tessera.advisor.trace import read_trace
-
-    from tessera.advisor.formats import detect_format
     from tessera.model.tokenizer import Tokenizer
 
     config = EngineConfig(model=args.model, **engine_kwargs(args))
