@@ -159,7 +159,8 @@ def add_serve_advisor_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--record-trace", default=None, metavar="FILE",
                         help="append one JSONL line per request (prompt, sampling, arrival, output) for `tessera advise`")
     parser.add_argument("--autopilot", action="store_true",
-                        help="adapt prefix caching and the chunked-prefill budget from live metrics (see --slo-*)")
+                        help="adapt prefix caching, the chunked-prefill budget and n-gram speculation from live metrics "
+                             "(see --slo-*)")
     parser.add_argument("--slo-ttft-ms", type=float, default=None, help="time-to-first-token objective (autopilot)")
     parser.add_argument("--slo-itl-ms", type=float, default=None, help="inter-token latency objective (autopilot)")
 
