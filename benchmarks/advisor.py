@@ -176,7 +176,8 @@ def make_engine(model: str, cfg: dict, args) -> LLMEngine:
 def workload(name: str, info, args) -> list[TraceRequest]:
     """A synthetic shape, or a trace file (a shipped one by its name, or a path)."""
     if name in SHIPPED_TRACES or Path(name).exists():
-        return load_trace(SHIPPED_TRACES.get(name, name), vocab_size=info.config.vocab_size, seed=args.seed)
+        trace = load_trace(SHIPPED_TRACES.get(name, name), vocab_size=info.config.vocab_size, seed=args.seed)
+        return trace[: args.trace_requests] if args.trace_requests else trace
     n = max(8, round(args.num_requests * SHAPE_REQUESTS.get(name, 1.0)))
     return synthesize(name, n, rate=1.0, seed=args.seed, vocab_size=info.config.vocab_size,
                       length_scale=args.length_scale)
@@ -189,7 +190,10 @@ def run_shape(shape: str, model: str, info, costs: StepCosts, costs_by_mode: dic
     slo = slos(costs, trace)
     # What `tessera serve --record-trace` would have written: the model's own outputs, which
     # the speculation estimate replays (a synthetic answer says nothing about this model).
+    t0 = time.perf_counter()
     recorded = replay(make_engine(model, DEFAULTS, args), trace, slo)
+    print(f"   [{shape}] recorded the model's outputs in {time.perf_counter() - t0:.1f} s "
+          f"({recorded['makespan_s']:.1f} s of replay)", file=sys.stderr, flush=True)
     for r, out in zip(trace, recorded["outputs"], strict=True):
         r.output_token_ids = out
     profile = profile_trace(trace, info, costs, EngineConfig(model=model, kv_cache_memory=args.kv_cache_memory),
@@ -214,7 +218,10 @@ def run_shape(shape: str, model: str, info, costs: StepCosts, costs_by_mode: dic
                                                               prefix_window_tokens=2048, itl_window=4, ttft_window=4,
                                                               itl_chunk=8, spec_window_tokens=128,
                                                               step_costs=costs))
+        t0 = time.perf_counter()
         row = {"config": name, "kind": kind, **_without_outputs(replay(engine, trace, slo, ap))}
+        print(f"   [{shape}] {kind} {name}: {row['goodput']:.2f} req/s, {row['good']}/{row['n']} good, "
+              f"{time.perf_counter() - t0:.1f} s with the load", file=sys.stderr, flush=True)
         if ap is not None:
             row["changes"] = [f"{c.knob} {c.old}->{c.new} ({c.reason})" for c in ap.changes]
             row["decisions"] = [asdict(d) for d in ap.decisions()]
@@ -238,6 +245,7 @@ def main() -> int:
     p.add_argument("--shapes", default=",".join(SHAPES),
                    help="synthetic shapes and trace files (a path, or mooncake_style / azure_conv_style)")
     p.add_argument("--traces", default="", help="trace workloads after the shapes (same names as --shapes)")
+    p.add_argument("--trace-requests", type=int, default=0, help="replay only a trace's first N requests (0: all)")
     p.add_argument("--grid", choices=("full", "small"), default="full")
     p.add_argument("--quant-modes", default="all", help="quantization modes to time and put in the grid "
                    "(comma list; 'none' for none)")
@@ -252,6 +260,7 @@ def main() -> int:
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
 
+    started = time.perf_counter()
     tmp = None
     model = args.model
     if model is None:
@@ -269,6 +278,7 @@ def main() -> int:
     costs_by_mode = measure_costs_by_mode(info, modes, args.dtype, args.num_threads,
                                           use_cache=args.model is not None)
     costs = costs_by_mode.pop("none")
+    print(f"step costs ready after {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     for mode, c in {"none": costs, **costs_by_mode}.items():
         print(f"model {info.path.name} ({mode}); step costs: base {c.base_s * 1e3:.2f} ms, {c.per_decode_s * 1e3:.3f} "
               f"ms per decode, {c.per_prefill_token_s * 1e3:.4f} ms per prefill token, {c.per_attention_s * 1e9:.2f} "
