@@ -190,3 +190,40 @@ def test_tessera_lines_take_timestamp_as_arrival_and_ignore_extra_fields(tmp_pat
     assert trace[2].sampling == {"temperature": 0.5}
     (warning,) = [r.getMessage() for r in caplog.records]
     assert "tenant, user_id" in warning
+
+
+# ---- the CLI on the shipped Mooncake-style trace -------------------------------------------------
+
+
+def test_tessera_profile_reads_the_shipped_mooncake_trace(tiny_model_factory, tmp_path, monkeypatch):
+    """Its prefix hit rate is what its hash ids say: each request reuses the 512-token blocks of
+    the longest hash-id prefix an earlier request held. A bad line stops the CLI with its line
+    number, or is skipped with --skip-bad-lines."""
+    from pathlib import Path
+
+    from tessera.cli import main
+
+    model = tiny_model_factory(max_position_embeddings=4096)
+    monkeypatch.setenv("TESSERA_CACHE", str(tmp_path / "cache"))
+    shipped = Path(__file__).resolve().parents[2] / "benchmarks" / "traces" / "mooncake_style.jsonl"
+    rows = [json.loads(line) for line in shipped.read_text().splitlines()]
+    def common_blocks(a: list[int], b: list[int]) -> int:
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    hits, seen = 0, []
+    for r in rows:
+        hits += B * max((common_blocks(r["hash_ids"], s) for s in seen), default=0)
+        seen.append(r["hash_ids"][:-1])  # the last block is partly filled: never shared
+    expected = hits / sum(r["input_length"] for r in rows)
+    common = ["--model", str(model), "--dtype", "float32", "--num-threads", "1", "--quant-candidates", "none"]
+    assert main(["profile", str(shipped), "-o", str(tmp_path / "p.json"), *common]) == 0
+    prof = json.loads((tmp_path / "p.json").read_text())
+    assert prof["num_requests"] == len(rows) and prof["prefix"]["hit_rate"] == pytest.approx(expected)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(shipped.read_text() + '{"timestamp": 1, "input_length": 9}\n')
+    with pytest.raises(SystemExit, match=rf"bad.jsonl:{len(rows) + 1}: missing field 'output_length'"):
+        main(["profile", str(bad), "-o", str(tmp_path / "p2.json"), *common])
+    assert main(["profile", str(bad), "--skip-bad-lines", "-o", str(tmp_path / "p2.json"), *common]) == 0
