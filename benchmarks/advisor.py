@@ -101,7 +101,8 @@ def slos(costs: StepCosts, trace: list[TraceRequest]) -> tuple[float, float]:
 
 def calibrate_rate(trace: list[TraceRequest], costs: StepCosts, load: float) -> list[TraceRequest]:
     """Stretch arrival times so the default engine would be busy `load` of the time (simulated)."""
-    reqs = [SimRequest(r.arrival_time, len(r.prompt_token_ids), len(r.output_token_ids)) for r in trace]
+    reqs = [SimRequest(r.arrival_time, len(r.prompt_token_ids),
+                       len(r.output_token_ids) if r.output_token_ids is not None else r.max_tokens) for r in trace]
 
     def busy(scale: float) -> float:
         sim = simulate([SimRequest(r.arrival * scale, r.prompt_len, r.output_len) for r in reqs], costs, 512, 64)
