@@ -103,7 +103,8 @@ def _sim(profile: Profile, cfg: dict, budget: int | None = None, cache_on: bool 
     on = cfg["enable_prefix_caching"] if cache_on is None else cache_on
     reqs = _with_cache(profile.requests, on, profile.prefix.cached_tokens)
     return simulate(reqs, costs or _costs(profile, cfg), budget or cfg["max_num_batched_tokens"], cfg["max_num_seqs"],
-                    kv_capacity_tokens=profile.engine["kv_pool_tokens"], block_size=cfg["block_size"],
+                    kv_capacity_tokens=cfg.get("kv_pool_tokens", profile.engine["kv_pool_tokens"]),
+                    block_size=cfg["block_size"],
                     speculation=speculation)
 
 
@@ -132,6 +133,24 @@ def _lateness(profile: Profile, sim) -> float:
 # ---- 1. memory --------------------------------------------------------------------------------
 
 
+# How much each memory lever changes what the model computes, to pick the mildest that fits:
+# int8 KV errs by at most 1/254 of a head's largest value per element, fp8 KV by up to 2^-4 of
+# the element itself; weight modes change every product (int4 and 4-bit GGUF blocks the most).
+_KV_LOSS = {"auto": 0, "int8": 1, "fp8": 2}
+_WEIGHT_LOSS = {"none": 0, "int8": 1, "w8a8": 2, "gguf": 3, "int4": 3}
+
+
+def _levers(m) -> list[tuple[str, str, int]]:
+    """(kv dtype, weight mode, concurrent sequences that fit) of every lever combination."""
+    return [(d, mode, m.sequences_fit(d, mode)) for d in m.kv_tokens_fit_by_dtype for mode in m.kv_tokens_fit]
+
+
+def _lever_name(kv_dtype: str, mode: str) -> str:
+    parts = ([f"--kv-cache-dtype {kv_dtype}"] if kv_dtype != "auto" else []) + (
+        [f"--quantization {mode}"] if mode != "none" else [])
+    return " + ".join(parts) or "as configured"
+
+
 def _memory(p: Profile, cfg: dict) -> Decision:
     m = p.memory
     need = int(max(m.peak_kv_tokens, m.largest_request_tokens) * KV_HEADROOM)
@@ -145,13 +164,14 @@ def _memory(p: Profile, cfg: dict) -> Decision:
     settings: dict = {}
     figure = (f"peak KV need {m.peak_kv_tokens:,} tokens x{KV_HEADROOM} headroom = {need:,} tokens "
               f"({_bytes(need * m.kv_bytes_per_token)}) at {m.peak_concurrency} concurrent sequences; pool "
-              f"{fit:,} tokens; weights {_bytes(m.weight_bytes['none'])}")
+              f"{fit:,} tokens ({m.kv_bytes_per_token} B/token, KV {m.kv_dtype}); weights {_bytes(m.weight_bytes['none'])}")
     if len(scores) > 1:
         figure += "; simulated busy seconds, goodput by mode: " + ", ".join(
             f"{k}: {work[k]:.2f} s, {v:.2f} req/s" for k, v in scores.items())
-    threshold = (f"need <= KV tokens that fit; a (lossy) quantization mode for speed only when it does the trace's "
-                 f"work >= {QUANT_SPEED_GAIN_MIN}x faster, at no loss of goodput")
-    mode = "none"
+    threshold = (f"need <= KV tokens that fit; when it does not, the mildest lever that makes it fit; a (lossy) "
+                 f"quantization mode for speed only when it does the trace's work >= {QUANT_SPEED_GAIN_MIN}x faster, "
+                 f"at no loss of goodput")
+    mode, kv_dtype = "none", m.kv_dtype
     if "none" in fitting:
         faster = [x for x in timed if x != "none" and "none" in work
                   and work["none"] >= QUANT_SPEED_GAIN_MIN * work[x] and scores[x] >= scores["none"]]
@@ -163,23 +183,46 @@ def _memory(p: Profile, cfg: dict) -> Decision:
         else:
             decision = "no quantization: the KV pool holds the trace's peak and no mode is enough faster"
             gain = f"none needed; the pool holds {fit / max(need, 1):.1f}x the need"
-    elif fitting and can_quantize:
-        mode = max(fitting, key=lambda x: scores.get(x, 0.0) * 1e18 + m.weight_bytes[x])  # fastest, else mildest
-        decision = f"quantize the weights ({mode}) to free memory for KV"
-        gain = f"KV capacity {fit:,} -> {m.kv_tokens_fit[mode]:,} tokens, no preemptions at the peak"
     else:
-        settings["kv_cache_memory"] = need * m.kv_bytes_per_token
-        decision = f"raise the KV pool to {_bytes(need * m.kv_bytes_per_token)}"
-        gain = f"no preemptions at the peak: {fit:,} -> {need:,} tokens"
+        # The pool binds: what each lever buys, in concurrent sequences of the peak's average size.
+        base_seqs = m.sequences_fit(m.kv_dtype)
+        levers = [(d, w, n) for d, w, n in _levers(m) if (d, w) != (m.kv_dtype, "none") and (can_quantize or w == "none")]
+        figure += (f"; the pool holds {base_seqs} sequences of {m.tokens_per_sequence:.0f} tokens, the peak runs "
+                   f"{m.peak_concurrency}; levers: " + ", ".join(
+                       f"{_lever_name(d, w)} +{n - base_seqs} ({n})" for d, w, n in
+                       sorted(levers, key=lambda x: (_KV_LOSS[x[0]] + _WEIGHT_LOSS.get(x[1], 3), -x[2]))))
+        tokens_of = {(d, w): m.kv_tokens_fit_by_dtype[d][w] for d, w, _ in levers}
+        fits = [(d, w) for d, w, _ in levers if tokens_of[(d, w)] >= need]
+        if fits:
+            kv_dtype, mode = min(fits, key=lambda x: ((x[0] != m.kv_dtype) + (x[1] != "none"),
+                                                      _KV_LOSS[x[0]] + _WEIGHT_LOSS.get(x[1], 3), -tokens_of[x]))
+            seqs = next(n for d, w, n in levers if (d, w) == (kv_dtype, mode))
+            what = []
+            if kv_dtype != m.kv_dtype:
+                what.append(f"store the KV cache in {kv_dtype} ({m.kv_bytes_by_dtype[m.kv_dtype]} -> "
+                            f"{m.kv_bytes_by_dtype[kv_dtype]} B/token)")
+            if mode != "none":
+                what.append(f"quantize the weights ({mode}) to free memory for KV")
+            decision = " and ".join(what)
+            gain = (f"KV capacity {fit:,} -> {tokens_of[(kv_dtype, mode)]:,} tokens: {base_seqs} -> {seqs} concurrent "
+                    f"sequences (+{seqs - base_seqs}), no preemptions at the peak")
+            cfg["kv_pool_tokens"] = tokens_of[(kv_dtype, mode)]
+        else:
+            settings["kv_cache_memory"] = need * m.kv_bytes_per_token
+            decision = f"raise the KV pool to {_bytes(need * m.kv_bytes_per_token)}"
+            gain = f"no preemptions at the peak: {fit:,} -> {need:,} tokens"
+            cfg["kv_pool_tokens"] = need
     if can_quantize:
         settings["quantization"] = mode
+    if kv_dtype != m.kv_dtype:
+        settings["kv_cache_dtype"] = kv_dtype
     if m.peak_concurrency > cfg["max_num_seqs"]:
         seqs = 1 << (m.peak_concurrency - 1).bit_length()
         settings["max_num_seqs"] = seqs
         decision += f"; batch limit {seqs} (the trace runs {m.peak_concurrency} at once)"
     cfg.update(settings)
-    return Decision("1 memory", "does the KV the trace needs fit, and at which weight precision?", decision, figure,
-                    threshold, gain, settings)
+    return Decision("1 memory", "does the KV the trace needs fit, and at which weight and KV precision?", decision,
+                    figure, threshold, gain, settings)
 
 
 def _bytes(n: float) -> str:

@@ -1,7 +1,7 @@
 """`tessera serve --autopilot`: switch optimizations while serving, from live metrics.
 
 The Autopilot is a StepObserver: the engine thread calls `on_step` after every step (the engine
-is single-threaded, so changing it there is safe), and it changes two knobs:
+is single-threaded, so changing it there is safe), and it changes three knobs:
 
 - prefix caching: off when the hit rate (by prompt tokens) stays under `hit_rate_off` over a
   window of `prefix_window_tokens` looked-up tokens, back on when a shadow index (the same
@@ -19,20 +19,30 @@ is single-threaded, so changing it there is safe), and it changes two knobs:
   from decode-only steps and steps with a prefill chunk the autopilot estimates what a prompt
   token adds to a step, and keeps the budget at the chunk that still fits `step_fill` of the ITL
   objective next to the decodes (the first prompt, computed while nothing else runs, already
-  tells), as Sarathi-Serve sizes its chunks from the TBT objective.
+  tells), as Sarathi-Serve sizes its chunks from the TBT objective;
+- n-gram speculation and its k (tessera/advisor/spec_pilot.py): a shadow replay of the engine's
+  proposer on the tokens requests really produce measures acceptance, on or off; every
+  `spec_window_tokens` output tokens the modelled speedup of the best k (from that acceptance,
+  the batch and the step costs: measured decode steps and what a prompt token adds to a step,
+  or `step_costs` when given, e.g. the advisor's) turns speculation on at >= `spec_on_speedup`,
+  off under `spec_off_speedup`, or moves k while on.
 
 The decision half (`record_*` then `decide`) touches no engine, so tests feed it metric
-sequences; `apply` is the only code that changes an engine. Every change is logged with its
-reason, kept in `changes`, and exported through `collector()` as Prometheus metrics.
+sequences; `apply` is the only code that changes an engine (through its public knobs). Every
+change is a `Decision` record (time, knob, old, new, reason, figures), logged, kept in
+`changes` (`decisions()` hands out a copy, for the dashboard), and counted in the Prometheus
+counter `tessera:autopilot_decisions_total{knob=...}`.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from tessera.advisor.sim import percentile
+from tessera.advisor.sim import StepCosts, percentile
+from tessera.advisor.spec_pilot import ShadowNgram, best_k, speedup
 
 logger = logging.getLogger("tessera.autopilot")
 
@@ -64,15 +74,34 @@ class AutopilotConfig:
     # over the last `cost_samples` steps, so one step slowed by the machine does not move them.
     step_fill: float = 0.7
     cost_samples: int = 8
+    # Speculation: steered at all; the largest k; output tokens replayed per decision; the
+    # modelled speedup that turns it on, and the one under which it goes off (hysteresis).
+    steer_speculation: bool = True
+    spec_max_k: int = 8
+    spec_window_tokens: int = 512
+    spec_on_speedup: float = 1.15
+    spec_off_speedup: float = 1.0
+    # Step costs for the speculation model (e.g. the advisor's measured ones); None: the live
+    # median decode-only step and the smallest per-prompt-token estimate of recent steps.
+    step_costs: StepCosts | None = None
+
+
+KNOBS = ("enable_prefix_caching", "max_num_batched_tokens", "speculative_method", "num_speculative_tokens")
 
 
 @dataclass(frozen=True)
-class Change:
-    time: float
-    knob: str  # "enable_prefix_caching" or "max_num_batched_tokens"
+class Decision:
+    """One change the autopilot made: a plain record the log, metrics and dashboard read."""
+
+    time: float  # the engine clock (time.monotonic) when it was decided
+    knob: str  # one of KNOBS
     old: object
     new: object
     reason: str
+    figures: dict = field(default_factory=dict)  # the measured figures and thresholds behind it
+
+
+Change = Decision  # the earlier name
 
 
 class _ShadowPrefixIndex:
@@ -111,12 +140,19 @@ class _ShadowPrefixIndex:
 
 class Autopilot:
     def __init__(self, config: AutopilotConfig, *, enable_prefix_caching: bool, max_num_batched_tokens: int,
-                 max_num_seqs: int = 64, block_size: int = 16, kv_capacity_blocks: int = 1 << 16) -> None:
+                 max_num_seqs: int = 64, block_size: int = 16, kv_capacity_blocks: int = 1 << 16,
+                 speculative_method: str | None = None, num_speculative_tokens: int = 4) -> None:
         self.config = config
         self.prefix_caching = enable_prefix_caching
         self.budget = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.changes: list[Change] = []
+        self.spec_method = speculative_method
+        self.spec_k = num_speculative_tokens
+        self._spec_shadow = ShadowNgram(config.spec_max_k)
+        self._spec_batch: list[int] = []  # sequences per step over the speculation window
+        self._spec_measured = (0, 0)  # (proposed, accepted) by the engine over the window, while on
+        self.last_spec: dict | None = None  # the figures of the last speculation window
+        self.changes: list[Decision] = []
         self._shadow = _ShadowPrefixIndex(block_size, kv_capacity_blocks)
         self._prefix_q = self._prefix_h = 0  # the current window, tokens
         self._itl: list[float] = []
@@ -133,6 +169,7 @@ class Autopilot:
         # Engine glue state (on_step).
         self._engine = None
         self._last_prefix = (0, 0)
+        self._last_spec = (0, 0)
         self._last_token_time: dict[str, float] = {}
         self._gaps: dict[str, list[float]] = {}
 
@@ -142,11 +179,19 @@ class Autopilot:
         ap = cls(config, enable_prefix_caching=engine.kv.enable_prefix_caching,
                  max_num_batched_tokens=engine.scheduler.max_num_batched_tokens,
                  max_num_seqs=engine.config.max_num_seqs, block_size=engine.kv.block_size,
-                 kv_capacity_blocks=engine.kv.num_usable_blocks)
+                 kv_capacity_blocks=engine.kv.num_usable_blocks,
+                 speculative_method=engine.spec.method if engine.spec is not None else None,
+                 num_speculative_tokens=(engine.spec.max_k if engine.spec is not None
+                                         else min(engine.config.num_speculative_tokens, config.spec_max_k)))
         ap._engine = engine
         stats = engine.stats()
         ap._last_prefix = (stats.prefix_cache_queries, stats.prefix_cache_hits)
+        ap._last_spec = (stats.spec_num_proposed_tokens, stats.spec_num_accepted_tokens)
         return ap
+
+    def decisions(self) -> list[Decision]:
+        """Every change made so far, oldest first (a copy: the engine thread appends to the original)."""
+        return list(self.changes)
 
     # ---- metrics in ----------------------------------------------------------------------------
 
@@ -174,12 +219,28 @@ class Autopilot:
     def record_ttft(self, seconds: float) -> None:
         self._ttft.append(seconds)
 
+    def record_output(self, request_id: str, prompt: list[int] | None, new_tokens: list[int],
+                      finished: bool = False) -> None:
+        """A request's new output tokens (give its prompt with the first ones): the speculation shadow replays them."""
+        if prompt is not None:
+            self._spec_shadow.start(request_id, prompt)
+        self._spec_shadow.extend(request_id, new_tokens)
+        if finished:
+            self._spec_shadow.finish(request_id)
+
+    def record_spec_measured(self, proposed: int, accepted: int, batch: int) -> None:
+        """A step's draft tokens the engine verified and accepted, and the sequences it ran."""
+        p, a = self._spec_measured
+        self._spec_measured = (p + proposed, a + accepted)
+        if batch:
+            self._spec_batch.append(batch)
+
     def record_step(self, max_gap_s: float, prefill_tokens: int, step_time_s: float | None = None) -> None:
         """One engine step: the longest inter-token gap it gave a decoding request, the prompt
         tokens it computed and its wall time. A step past the ITL objective only counts when a
         prefill chunk ran in it: without one, a smaller budget would not have made it shorter."""
         cfg = self.config
-        if step_time_s is not None and cfg.slo_itl_ms is not None:
+        if step_time_s is not None:
             self._record_cost(step_time_s, prefill_tokens)
         if (cfg.slo_itl_ms is None or not cfg.step_reaction_min_prefill
                 or prefill_tokens < cfg.step_reaction_min_prefill or max_gap_s * 1e3 <= cfg.slo_itl_ms):
@@ -189,14 +250,14 @@ class Autopilot:
 
     # ---- decisions -------------------------------------------------------------------------------
 
-    def decide(self, now: float) -> list[Change]:
-        changes = self._decide_prefix(now) + self._decide_budget(now)
+    def decide(self, now: float) -> list[Decision]:
+        changes = self._decide_prefix(now) + self._decide_budget(now) + self._decide_speculation(now)
         for c in changes:
-            logger.info("autopilot: %s %s -> %s (%s)", c.knob, c.old, c.new, c.reason)
+            logger.info("autopilot: %s %s -> %s (%s) %s", c.knob, c.old, c.new, c.reason, c.figures)
         self.changes += changes
         return changes
 
-    def _decide_prefix(self, now: float) -> list[Change]:
+    def _decide_prefix(self, now: float) -> list[Decision]:
         cfg = self.config
         if self._prefix_q < cfg.prefix_window_tokens:
             return []
@@ -206,15 +267,17 @@ class Autopilot:
         self._prefix_q = self._prefix_h = 0
         if self.prefix_caching and rate < cfg.hit_rate_off:
             self.prefix_caching = False
-            return [Change(now, "enable_prefix_caching", True, False,
-                           f"hit rate {rate:.1%} over {queried} prompt tokens < {cfg.hit_rate_off:.0%}")]
+            return [Decision(now, "enable_prefix_caching", True, False,
+                             f"hit rate {rate:.1%} over {queried} prompt tokens < {cfg.hit_rate_off:.0%}",
+                             {"hit_rate": rate, "window_tokens": queried, "hit_rate_off": cfg.hit_rate_off})]
         if not self.prefix_caching and rate >= cfg.hit_rate_on:
             self.prefix_caching = True
-            return [Change(now, "enable_prefix_caching", False, True,
-                           f"shadow hit rate {rate:.1%} over {queried} prompt tokens >= {cfg.hit_rate_on:.0%}")]
+            return [Decision(now, "enable_prefix_caching", False, True,
+                             f"shadow hit rate {rate:.1%} over {queried} prompt tokens >= {cfg.hit_rate_on:.0%}",
+                             {"shadow_hit_rate": rate, "window_tokens": queried, "hit_rate_on": cfg.hit_rate_on})]
         return []
 
-    def _decide_budget(self, now: float) -> list[Change]:
+    def _decide_budget(self, now: float) -> list[Decision]:
         cfg = self.config
         if cfg.slo_itl_ms is None and cfg.slo_ttft_ms is None:
             return []
@@ -252,7 +315,9 @@ class Autopilot:
         if new == old:
             return []
         self.budget = new
-        return [Change(now, "max_num_batched_tokens", old, new, reason)]
+        return [Decision(now, "max_num_batched_tokens", old, new, reason,
+                         {"p90_itl_s": itl, "p90_ttft_s": ttft, "slo_itl_ms": cfg.slo_itl_ms,
+                          "slo_ttft_ms": cfg.slo_ttft_ms, "itl_ceiling": self._itl_ceiling})]
 
     def _record_cost(self, step_time_s: float, prefill_tokens: int) -> None:
         cfg = self.config
@@ -264,24 +329,26 @@ class Autopilot:
         base = percentile(self._decode_step_s, 50) if self._decode_step_s else 0.0
         self._per_token_s = (self._per_token_s + [max(step_time_s - base, 0.0) / prefill_tokens])[-cfg.cost_samples :]
         per_token = min(self._per_token_s)
-        if per_token <= 0:
+        if per_token <= 0 or cfg.slo_itl_ms is None:
             return
         room = cfg.slo_itl_ms / 1e3 * cfg.step_fill - base
         self.budget_cap = max(cfg.min_budget, int(room / per_token) // 16 * 16)
 
-    def _cut_to_cap(self, now: float) -> list[Change]:
+    def _cut_to_cap(self, now: float) -> list[Decision]:
         old = self.budget
         # 10% of hysteresis: the estimates drift a little with every step; the budget need not.
         if self.budget_cap is None or old <= self.budget_cap * 1.1:
             return []
         self.budget = self.budget_cap
         base = percentile(self._decode_step_s, 50) * 1e3 if self._decode_step_s else 0.0
-        return [Change(now, "max_num_batched_tokens", old, self.budget,
-                       f"measured steps: {min(self._per_token_s) * 1e3:.3f} ms per prompt token next to "
-                       f"{base:.1f} ms of decodes; {self.budget} tokens fit {self.config.step_fill:.0%} of the "
-                       f"ITL objective {self.config.slo_itl_ms:g} ms")]
+        return [Decision(now, "max_num_batched_tokens", old, self.budget,
+                         f"measured steps: {min(self._per_token_s) * 1e3:.3f} ms per prompt token next to "
+                         f"{base:.1f} ms of decodes; {self.budget} tokens fit {self.config.step_fill:.0%} of the "
+                         f"ITL objective {self.config.slo_itl_ms:g} ms",
+                         {"per_prompt_token_s": min(self._per_token_s), "decode_step_s": base / 1e3,
+                          "step_fill": self.config.step_fill, "slo_itl_ms": self.config.slo_itl_ms})]
 
-    def _cut_for_slow_step(self, now: float) -> list[Change]:
+    def _cut_for_slow_step(self, now: float) -> list[Decision]:
         gap, prefill = self._slow_step
         self._slow_step = None
         old, obj = self.budget, self.config.slo_itl_ms
@@ -293,9 +360,63 @@ class Autopilot:
             return []
         self.budget = new
         self._itl_ceiling, self._ceiling_age = min(old, self._itl_ceiling or old), 0
-        return [Change(now, "max_num_batched_tokens", old, new,
-                       f"a step with a {prefill}-token prefill chunk held a decoding request {gap * 1e3:.1f} ms "
-                       f"> ITL objective {obj:g} ms")]
+        return [Decision(now, "max_num_batched_tokens", old, new,
+                         f"a step with a {prefill}-token prefill chunk held a decoding request {gap * 1e3:.1f} ms "
+                         f"> ITL objective {obj:g} ms",
+                         {"step_gap_s": gap, "prefill_tokens": prefill, "slo_itl_ms": obj})]
+
+    def _spec_costs(self) -> tuple[float, float, str] | None:
+        """(plain decode step s, s one draft token adds, where from) at the window's batch."""
+        batch = statistics.fmean(self._spec_batch) if self._spec_batch else 1.0
+        c = self.config.step_costs
+        if c is not None:
+            return c.step_time(0, round(batch)), c.per_prefill_token_s, c.source
+        if not self._decode_step_s or not self._per_token_s:
+            return None
+        return percentile(self._decode_step_s, 50), min(self._per_token_s), "live steps"
+
+    def _decide_speculation(self, now: float) -> list[Decision]:
+        cfg = self.config
+        if not cfg.steer_speculation or self._spec_shadow.window.tokens < cfg.spec_window_tokens:
+            return []
+        costs = self._spec_costs()
+        if costs is None:
+            return []  # no step measured yet: keep counting
+        plain, per_token, source = costs
+        w = self._spec_shadow.take()
+        batch = statistics.fmean(self._spec_batch) if self._spec_batch else 1.0
+        proposed, accepted = self._spec_measured
+        self._spec_batch, self._spec_measured = [], (0, 0)
+        a, cov = w.acceptance, w.coverage
+        k, best = best_k(a, cov, cfg.spec_max_k, batch, plain, per_token)
+        current = speedup(a, cov, self.spec_k, batch, plain, per_token) if self.spec_method else 1.0
+        figures = {"window_tokens": w.tokens, "acceptance": a, "draft_coverage": cov,
+                   "acceptance_rate": w.acceptance_rate, "mean_batch": batch, "plain_step_s": plain,
+                   "per_draft_token_s": per_token, "costs": source, "best_k": k, "best_speedup": best,
+                   "current_speedup": current, "spec_on_speedup": cfg.spec_on_speedup,
+                   "spec_off_speedup": cfg.spec_off_speedup}
+        if proposed:
+            figures["engine_acceptance_rate"] = accepted / proposed
+        self.last_spec = figures
+        why = (f"n-gram acceptance {a:.0%} per position over {w.tokens} output tokens, drafts at {cov:.0%} of "
+               f"steps, batch {batch:.1f}, plain step {plain * 1e3:.1f} ms + {per_token * 1e3:.3f} ms per draft "
+               f"token: modelled speedup {best:.2f}x at k={k}")
+        out: list[Decision] = []
+        if self.spec_method is None and best >= cfg.spec_on_speedup:
+            out.append(Decision(now, "speculative_method", None, "ngram", f"{why} >= {cfg.spec_on_speedup}x", figures))
+            self.spec_method = "ngram"
+            if k != self.spec_k:
+                out.append(Decision(now, "num_speculative_tokens", self.spec_k, k, why, figures))
+                self.spec_k = k
+        elif self.spec_method is not None and best < cfg.spec_off_speedup:
+            out.append(Decision(now, "speculative_method", self.spec_method, None,
+                                f"{why} < {cfg.spec_off_speedup}x: verification does not pay", figures))
+            self.spec_method = None
+        elif self.spec_method == "ngram" and k != self.spec_k and best > current * 1.05:
+            out.append(Decision(now, "num_speculative_tokens", self.spec_k, k,
+                                f"{why}, against {current:.2f}x at k={self.spec_k}", figures))
+            self.spec_k = k
+        return out
 
     # ---- the engine ----------------------------------------------------------------------------
 
@@ -311,6 +432,10 @@ class Autopilot:
                 engine.scheduler.max_num_batched_tokens = int(c.new)
                 # Every running sequence must still decode every step: the batch fits the budget.
                 engine.scheduler.max_num_seqs = min(self.max_num_seqs, int(c.new))
+            elif c.knob == "speculative_method":
+                engine.set_speculation(c.new, self.spec_k if c.new else None)
+            elif c.knob == "num_speculative_tokens" and self.spec_method is not None:
+                engine.set_speculation(self.spec_method, int(c.new))
 
     def on_step(self, outputs, stats, now: float) -> None:
         """StepObserver: turn the step's outputs and stats into records, decide, apply."""
@@ -322,6 +447,9 @@ class Autopilot:
             new = max((len(c.delta_token_ids) for c in out.outputs), default=0)
             rid = out.request_id
             last = self._last_token_time.get(rid)
+            if out.outputs and (new or out.finished):
+                self.record_output(rid, out.prompt_token_ids if last is None and new else None,
+                                   out.outputs[0].delta_token_ids, out.finished)
             if new:
                 if last is None:
                     if out.metrics is not None and out.metrics.first_token_time is not None:
@@ -345,6 +473,9 @@ class Autopilot:
         # speculative verification's proposals count too; they only make the cut a little larger).
         self.record_step(max_gap, stats.last_step_num_tokens - stats.last_step_num_seqs,
                          stats.last_step_time_s)
+        p, a = getattr(stats, "spec_num_proposed_tokens", 0), getattr(stats, "spec_num_accepted_tokens", 0)
+        self.record_spec_measured(p - self._last_spec[0], a - self._last_spec[1], stats.last_step_num_seqs)
+        self._last_spec = (p, a)
         changes = self.decide(now)
         if changes and self._engine is not None:
             self.apply(self._engine, changes)
@@ -353,6 +484,7 @@ class Autopilot:
         for rid in request_ids:
             self._last_token_time.pop(rid, None)
             self._gaps.pop(rid, None)
+            self._spec_shadow.finish(rid)
 
     # ---- Prometheus --------------------------------------------------------------------------
 
@@ -380,12 +512,20 @@ class Autopilot:
                             f"p{autopilot.config.itl_percentile:g} inter-token gap.", autopilot.last_itl)
                 yield gauge("tessera:autopilot_window_p90_ttft_seconds", "p90 TTFT of the last window.",
                             autopilot.last_p90_ttft)
-                c = CounterMetricFamily("tessera:autopilot_changes", "Settings the autopilot changed, by knob.",
+                yield gauge("tessera:autopilot_speculative_tokens", "The n-gram k the autopilot set (0: speculation "
+                            "off).", float(autopilot.spec_k if autopilot.spec_method else 0))
+                spec = autopilot.last_spec or {}
+                yield gauge("tessera:autopilot_window_spec_acceptance", "Per-position n-gram acceptance of the last "
+                            "speculation window (the shadow replay of all outputs).", spec.get("acceptance"))
+                yield gauge("tessera:autopilot_window_spec_speedup", "Modelled decode speedup of the best k in the "
+                            "last speculation window.", spec.get("best_speedup"))
+                c = CounterMetricFamily("tessera:autopilot_decisions", "Settings the autopilot changed, by knob "
+                                        "(each one a Decision record with its reason and figures).",
                                         labels=["model_name", "knob"])
                 counts: dict[str, int] = {}
                 for ch in list(autopilot.changes):
                     counts[ch.knob] = counts.get(ch.knob, 0) + 1
-                for knob in ("enable_prefix_caching", "max_num_batched_tokens"):
+                for knob in KNOBS:
                     c.add_metric([model_name, knob], counts.get(knob, 0))
                 yield c
 

@@ -29,10 +29,18 @@ def add_advisor_commands(sub) -> None:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
+    from tessera.advisor.formats import TRACE_FORMATS
     from tessera.advisor.profile import DEFAULT_SLO_ITL_MS, DEFAULT_SLO_TTFT_MS
 
-    p.add_argument("trace", help="a JSONL trace (see tessera/advisor/trace.py; `python -m tessera.advisor.trace` "
-                                 "writes synthetic ones)")
+    p.add_argument("trace", help="a trace: Tessera JSONL (see tessera/advisor/trace.py; `python -m "
+                                 "tessera.advisor.trace` writes synthetic ones), Mooncake JSONL, Azure or BurstGPT "
+                                 "CSV, ShareGPT JSON")
+    p.add_argument("--trace-format", default="auto", choices=("auto", *TRACE_FORMATS),
+                   help="the trace's format (default: detected from its first record)")
+    p.add_argument("--skip-bad-lines", action="store_true",
+                   help="skip trace lines that cannot be read (reported) instead of stopping at the first")
+    p.add_argument("--trace-rate", type=float, default=1.0,
+                   help="conversations per second for ShareGPT files, which carry no arrival times")
     p.add_argument("--model", default=DEFAULT_MODEL, help="HF folder, .gguf file, or the default model's name")
     p.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_SLO_TTFT_MS, help="time-to-first-token objective")
     p.add_argument("--slo-itl-ms", type=float, default=DEFAULT_SLO_ITL_MS, help="inter-token latency objective")
@@ -44,16 +52,21 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def _run_profile(args: argparse.Namespace):
+    from tessera.advisor.formats import detect_format
     from tessera.advisor.profile import load_model_info, measure_costs_by_mode, profile_trace, quantization_modes
     from tessera.advisor.trace import read_trace
+    from tessera.model.tokenizer import Tokenizer
 
-    trace = read_trace(args.trace)
     config = EngineConfig(model=args.model, **engine_kwargs(args))
     info = load_model_info(args.model, args.dtype, args.max_model_len)
-    tokenizer = None
-    if any(r.prompt_token_ids is None for r in trace):
-        from tessera.model.tokenizer import Tokenizer
-
+    fmt = detect_format(args.trace) if args.trace_format == "auto" else args.trace_format
+    tokenizer = Tokenizer(info.path, info.config) if fmt == "sharegpt" else None
+    try:
+        trace = read_trace(args.trace, fmt, args.skip_bad_lines, vocab_size=info.config.vocab_size,
+                           rate=args.trace_rate, tokenizer=tokenizer)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if tokenizer is None and any(r.prompt_token_ids is None for r in trace):
         tokenizer = Tokenizer(info.path, info.config)
     available = quantization_modes(info.path)
     wanted = available if args.quant_candidates == "all" else args.quant_candidates.split(",")
@@ -146,7 +159,8 @@ def add_serve_advisor_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--record-trace", default=None, metavar="FILE",
                         help="append one JSONL line per request (prompt, sampling, arrival, output) for `tessera advise`")
     parser.add_argument("--autopilot", action="store_true",
-                        help="adapt prefix caching and the chunked-prefill budget from live metrics (see --slo-*)")
+                        help="adapt prefix caching, the chunked-prefill budget and n-gram speculation from live metrics "
+                             "(see --slo-*)")
     parser.add_argument("--slo-ttft-ms", type=float, default=None, help="time-to-first-token objective (autopilot)")
     parser.add_argument("--slo-itl-ms", type=float, default=None, help="inter-token latency objective (autopilot)")
 

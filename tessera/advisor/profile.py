@@ -119,8 +119,11 @@ class ModelInfo:
             return n * self.element_size
         return int((n - linear) * self.element_size + linear * per)
 
-    def kv_bytes_per_token(self) -> int:
-        return self.config.kv_bytes_per_token(self.element_size)
+    def kv_bytes_per_token(self, kv_cache_dtype: str = "auto") -> int:
+        """Bytes of K and V one token takes, as the engine allocates them (tessera/quant/kv.py)."""
+        from tessera.quant.kv import kv_bytes_per_token
+
+        return kv_bytes_per_token(self.config, self.dtype, kv_cache_dtype)
 
 
 def load_model_info(model: str, dtype: str = "auto", max_model_len: int | None = None) -> ModelInfo:
@@ -290,12 +293,28 @@ class MemoryProfile:
     kv_bytes_per_token: int
     kv_pool_bytes: int  # what the KV pool gets without quantization
     kv_tokens_fit: dict[str, int]  # per mode: the pool plus the weight memory the mode frees
+    # The memory levers: bytes per token of each --kv-cache-dtype, and tokens that fit for each
+    # (kv dtype, weight mode); the configured kv dtype's row is kv_tokens_fit.
     peak_concurrency: int  # sequences running at once, simulated with no batch limit
     p90_concurrency: float
     mean_concurrency: float  # Little's law: arrival rate x mean time in the system
     peak_kv_tokens: int
     p90_kv_tokens: float
     largest_request_tokens: int
+    # The memory levers: bytes per token of each --kv-cache-dtype, and the tokens that fit for
+    # each (kv dtype, weight mode); the configured kv dtype's row is kv_tokens_fit.
+    kv_dtype: str = "auto"
+    kv_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
+    kv_tokens_fit_by_dtype: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def tokens_per_sequence(self) -> float:
+        """KV tokens a running sequence holds at the peak, on average (what one more costs)."""
+        return self.peak_kv_tokens / self.peak_concurrency if self.peak_concurrency else float(self.largest_request_tokens)
+
+    def sequences_fit(self, kv_dtype: str, mode: str = "none") -> int:
+        """Sequences of the peak's average size that fit the pool with these levers."""
+        return int(self.kv_tokens_fit_by_dtype[kv_dtype][mode] // max(self.tokens_per_sequence, 1.0))
 
 
 @dataclass
@@ -398,7 +417,7 @@ class Profile:
 
 def memory_profile(info: ModelInfo, kv_pool_bytes: int, modes: list[str], sim: SimResult,
                    requests: list[SimRequest], arrival_rate: float,
-                   costs_by_mode: dict[str, StepCosts] | None = None) -> MemoryProfile:
+                   costs_by_mode: dict[str, StepCosts] | None = None, kv_dtype: str = "auto") -> MemoryProfile:
     """Weights per mode (measured where the mode's engine was timed, else estimated); the KV
     tokens that fit when the memory a mode frees from the weights goes to the KV pool."""
     n = info.num_params()
@@ -406,8 +425,12 @@ def memory_profile(info: ModelInfo, kv_pool_bytes: int, modes: list[str], sim: S
     for mode in modes:
         measured = (costs_by_mode or {}).get(mode)
         weights[mode] = measured.weight_bytes if measured and measured.weight_bytes else info.weight_bytes(mode)
-    kvpt = info.kv_bytes_per_token()
-    fit = {mode: (kv_pool_bytes + weights["none"] - w) // kvpt for mode, w in weights.items()}
+    from tessera.config import KV_CACHE_DTYPES
+
+    by_dtype = {d: info.kv_bytes_per_token(d) for d in KV_CACHE_DTYPES}
+    fit_by_dtype = {d: {mode: (kv_pool_bytes + weights["none"] - w) // b for mode, w in weights.items()}
+                    for d, b in by_dtype.items()}
+    kvpt, fit = by_dtype[kv_dtype], fit_by_dtype[kv_dtype]
     latencies = [o.finish - r.arrival for o, r in zip(sim.outcomes, requests, strict=True)]
     return MemoryProfile(
         num_params=n, weight_bytes=weights, kv_bytes_per_token=kvpt, kv_pool_bytes=kv_pool_bytes, kv_tokens_fit=fit,
@@ -415,6 +438,7 @@ def memory_profile(info: ModelInfo, kv_pool_bytes: int, modes: list[str], sim: S
         mean_concurrency=arrival_rate * statistics.fmean(latencies) if latencies else 0.0,
         peak_kv_tokens=sim.peak("kv_tokens"), p90_kv_tokens=sim.percentile("kv_tokens", 90),
         largest_request_tokens=max(r.prompt_len + r.output_len for r in requests),
+        kv_dtype=kv_dtype, kv_bytes_by_dtype=by_dtype, kv_tokens_fit_by_dtype=fit_by_dtype,
     )
 
 
@@ -644,7 +668,8 @@ def profile_trace(trace: list[TraceRequest], info: ModelInfo, costs: StepCosts, 
             logger.warning("request %s: prompt %d + output %d tokens exceed max_model_len %d; the simulation "
                            "keeps it", r.id or "?", len(p), n, info.max_model_len)
     kv_pool = default_kv_pool_bytes(config)
-    pool_tokens = kv_pool // info.kv_bytes_per_token()
+    kv_dtype = getattr(config, "kv_cache_dtype", "auto")
+    pool_tokens = kv_pool // info.kv_bytes_per_token(kv_dtype)
     prefix = prefix_profile(prompts, outputs, bs, pool_tokens)
     use_cache = config.enable_prefix_caching
     requests = [SimRequest(r.arrival_time, len(p), n, cached_len=c if use_cache else 0,
@@ -655,16 +680,17 @@ def profile_trace(trace: list[TraceRequest], info: ModelInfo, costs: StepCosts, 
     configured = simulate(requests, costs, budget, config.max_num_seqs, kv_capacity_tokens=pool_tokens, block_size=bs)
     duration = max(r.arrival_time for r in trace) - min(r.arrival_time for r in trace)
     rate = (len(trace) - 1) / duration if duration > 0 else float(len(trace))
-    memory = memory_profile(info, kv_pool, quantization_modes(info.path), unlimited, requests, rate, costs_by_mode)
+    memory = memory_profile(info, kv_pool, quantization_modes(info.path), unlimited, requests, rate, costs_by_mode,
+                            kv_dtype)
     hetero = heterogeneity_profile([len(p) for p in prompts], out_lens,
                                    max(2, min(config.max_num_seqs, memory.peak_concurrency)), budget)
     frag = fragmentation_profile(unlimited, bs, info.max_model_len)
     batches = [1, max(1, round(configured.percentile("running", 50))), max(1, configured.peak("running"))]
     spec = speculation_profile(prompts, outputs, costs, batches, num_speculative_tokens)
-    scale = scale_profile(requests, costs, configured, budget, config.max_num_seqs, info.kv_bytes_per_token(),
+    scale = scale_profile(requests, costs, configured, budget, config.max_num_seqs, info.kv_bytes_per_token(kv_dtype),
                           slo_ttft_ms, slo_itl_ms)
     engine = {"block_size": bs, "max_num_batched_tokens": budget, "max_num_seqs": config.max_num_seqs,
               "enable_prefix_caching": config.enable_prefix_caching, "kv_pool_tokens": pool_tokens,
-              "max_model_len": info.max_model_len}
+              "max_model_len": info.max_model_len, "kv_cache_dtype": kv_dtype}
     return Profile(info.name, len(trace), costs, costs_by_mode, memory, prefix, hetero, frag, spec, scale, engine,
                    requests)

@@ -10,7 +10,8 @@ One request per line, in any order (readers sort by arrival time):
      "output_token_ids": [...], "output": "..."  optional: what the model answered, when known
      "id": "...", "session": "..."}              optional: request id, conversation id
 
-Exactly one of prompt / prompt_token_ids / messages. Known outputs feed the speculative
+Exactly one of prompt / prompt_token_ids / messages. `timestamp` (seconds, or an ISO date-time)
+stands in for a missing arrival_time; other fields are ignored with one warning per file. Known outputs feed the speculative
 decoding estimate (how often an n-gram drawn from the context predicts the next tokens).
 The synthetic generators write token ids, so a trace is independent of any tokenizer.
 """
@@ -79,24 +80,13 @@ class TraceRequest:
         return cls(**known, sampling=d)
 
 
-def read_trace(path: str | Path) -> list[TraceRequest]:
-    """Read a JSONL trace, sorted by arrival time and shifted so the first request arrives at 0."""
-    requests = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                requests.append(TraceRequest.from_json(json.loads(line)))
-            except (ValueError, TypeError) as exc:
-                raise ValueError(f"{path}:{lineno}: {exc}") from None
-    if not requests:
-        raise ValueError(f"{path}: the trace holds no requests")
-    requests.sort(key=lambda r: r.arrival_time)
-    t0 = requests[0].arrival_time
-    for r in requests:
-        r.arrival_time -= t0
-    return requests
+def read_trace(path: str | Path, trace_format: str = "auto", skip_bad_lines: bool = False,
+               **kwargs) -> list[TraceRequest]:
+    """Read a trace (this JSONL, or a public format: see tessera/advisor/formats.py), sorted by
+    arrival time and shifted so the first request arrives at 0."""
+    from tessera.advisor.formats import load_trace
+
+    return load_trace(path, trace_format, skip_bad_lines, **kwargs)
 
 
 def write_trace(path: str | Path, requests: Iterable[TraceRequest]) -> None:

@@ -136,6 +136,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.spec = SpeculativeDecoder.from_config(config, self.kv, self.max_model_len, num_blocks, self.dtype,
                                                    mc.vocab_size) if config.speculative_method else None
+        self._spec_parked: SpeculativeDecoder | None = None  # set_speculation(None) keeps it here
         self._requests: dict[str, _RequestState] = {}
         self._generators: dict[int, torch.Generator] = {}
         self._prompt_tokens_total = 0
@@ -323,6 +324,31 @@ class LLMEngine:
                 self._handoffs[rid][0].emitted_text_len = state.texts[0].emitted
         return outputs
 
+    def set_speculation(self, method: str | None, num_speculative_tokens: int | None = None) -> None:
+        """Switch speculative decoding between steps (the autopilot's knob): None turns it off,
+        "ngram" on or sets its k. An n-gram decoder turned off is kept, so turning it on again
+        resumes its measured costs; the spec_* counters carry over any switch (they stay
+        monotonic). A draft-model decoder can be switched off, not back on."""
+        if method is None:
+            if self.spec is not None:
+                # No lookahead slot is held between steps; what the decoder kept per sequence goes.
+                for seq in (*self.scheduler.running, *self.scheduler.waiting):
+                    self.spec.forget(seq.seq_id)
+                self._spec_parked, self.spec = self.spec, None
+            return
+        if method != "ngram":
+            raise ValueError(f"set_speculation: only 'ngram' can be switched on while serving, not {method!r}")
+        decoder = self.spec or self._spec_parked
+        k = num_speculative_tokens or (decoder.max_k if decoder is not None else self.config.num_speculative_tokens)
+        if k < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
+        if decoder is None or decoder.method != method:
+            decoder = SpeculativeDecoder("ngram", k, self.config.speculative_adaptive, self.kv, self.max_model_len)
+            if self._spec_parked is not None:
+                decoder.stats = self._spec_parked.stats
+        decoder.set_max_k(k)
+        self.spec, self._spec_parked = decoder, None
+
     # ---- disaggregation: handing sequences over between engines (tessera.engine.handoff) -----
 
     def _export_handoff(self, state: _RequestState, seq: Sequence) -> None:
@@ -427,7 +453,7 @@ class LLMEngine:
             prefix_cache_hit_rate=kv.prefix_hit_rate,
             num_evicted_blocks=kv.num_evictions,
             **self._host_stats(),
-            **(self.spec.engine_stats() if self.spec is not None else {}),
+            **((self.spec or self._spec_parked).engine_stats() if (self.spec or self._spec_parked) else {}),
         )
 
     def _host_stats(self) -> dict:

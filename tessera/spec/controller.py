@@ -120,12 +120,19 @@ class SpeculationController:
         # sequence has keys of its own, so the retries per step stay as few under a large batch
         # (at batch 16 with 8-step intervals, stories speculated in 27% of steps, 0.89x).
         self.retry_k = min(retry_k, max_k)
+        self._wanted_probe_k, self._wanted_retry_k = probe_k, retry_k
         self._batch_size = 1
         self._acceptance: dict[Hashable, _Acceptance] = {}
         self._keys_of_seq: dict[int, set[Hashable]] = {}
         self._costs: dict[int, _BucketCosts] = {}
         self._step = 0
         self._last_k = 0  # the k of the last plan: what its step time is attributed to
+
+    def set_max_k(self, max_k: int) -> None:
+        """A new upper bound on k (the costs measured for each k stay valid)."""
+        self.max_k = max_k
+        self.probe_k = min(self._wanted_probe_k, max_k)
+        self.retry_k = min(self._wanted_retry_k, max_k)
 
     # ---- estimates ---------------------------------------------------------------------------
 

@@ -103,6 +103,11 @@ class SpeculativeDecoder:
         return cls(config.speculative_method, config.num_speculative_tokens, config.speculative_adaptive, kv,
                    max_model_len, proposer)
 
+    def set_max_k(self, k: int) -> None:
+        """Speculate at most k tokens per sequence from the next step on (the measured costs stay)."""
+        self.max_k = k
+        self.controller.set_max_k(k)
+
     def engine_stats(self) -> dict:
         """The spec_* fields of EngineStats."""
         s = self.stats

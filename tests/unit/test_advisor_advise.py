@@ -99,6 +99,31 @@ def test_memory_stage_raises_the_pool_when_the_peak_does_not_fit(info):
     assert "raise the KV pool" in decision(advice, "1").decision
 
 
+def test_a_binding_kv_pool_names_what_each_lever_buys(info):
+    """16 requests at once of 192 tokens each, a pool of 1,200 float32 tokens: the advice stores
+    the KV in int8 (the mildest lever that fits) and states the sequences each lever buys, from
+    the bytes a token takes: 2 (K, V) x layers x KV heads x head_dim x 4 in float32, and
+    head_dim + 4 (codes and a float32 scale) per head in int8 or fp8."""
+    c = info.config
+    f32, i8 = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4, 2 * c.num_layers * c.num_kv_heads * (c.head_dim + 4)
+    trace = synthesize("random", 16, rate=1.0, vocab_size=c.vocab_size, length_scale=1.0)
+    for r in trace:
+        r.arrival_time = 0.0
+    pool = 1200 * f32
+    profile = profile_trace(trace, info, COSTS, EngineConfig(model=str(info.path), kv_cache_memory=pool))
+    m = profile.memory
+    assert (m.kv_bytes_by_dtype["auto"], m.kv_bytes_by_dtype["int8"], m.kv_bytes_by_dtype["fp8"]) == (f32, i8, i8)
+    per_seq = m.peak_kv_tokens / m.peak_concurrency
+    assert m.peak_concurrency == 16 and per_seq == pytest.approx(128 + 64, rel=0.1)
+    advice = advise(profile)
+    d = decision(advice, "1")
+    assert advice.config["kv_cache_dtype"] == "int8" and "store the KV cache in int8" in d.decision
+    base, with_int8 = int(pool // f32 // per_seq), int(pool // i8 // per_seq)
+    assert f"{base} -> {with_int8} concurrent sequences (+{with_int8 - base})" in d.expected_gain
+    assert f"--kv-cache-dtype int8 +{with_int8 - base} ({with_int8})" in d.figure
+    assert "--quantization int4 +" in d.figure  # the weight levers are listed too
+
+
 def serve_parser():
     from tessera.server.args import add_serve_arguments
 
@@ -188,10 +213,12 @@ def test_quantization_only_for_memory_or_a_clear_speed_gain(info):
     assert mode_for({"int8": fast}) == "int8"
     assert mode_for({"int8": barely}) == "none"
     assert mode_for({"int8": StepCosts(4e-3, 8e-4, 2e-4)}) == "none"
-    # A pool that holds the trace only once int4 frees half of what it saves on the weights.
+    # A pool that holds the trace only once int4 frees half of what it saves on the weights
+    # (the KV already int8, so that the KV lever has nothing left to give).
     need = int(profile_trace(trace, info, slow, config).memory.peak_kv_tokens * 1.25)
     freed = info.weight_bytes("none") - info.weight_bytes("int4")
-    tight = EngineConfig(model=str(info.path), kv_cache_memory=need * info.kv_bytes_per_token() - freed // 2)
+    tight = EngineConfig(model=str(info.path), kv_cache_dtype="int8",
+                         kv_cache_memory=need * info.kv_bytes_per_token("int8") - freed // 2)
     profile = profile_trace(trace, info, slow, tight)
     assert profile.memory.kv_tokens_fit["none"] < need <= profile.memory.kv_tokens_fit["int4"]
     advice = advise(profile)

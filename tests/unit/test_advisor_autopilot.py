@@ -265,7 +265,7 @@ def test_prometheus_export():
     text = generate_latest(registry).decode()
     assert 'tessera:autopilot_max_num_batched_tokens{model_name="m"} 64.0' in text  # 5x over: to 64
     assert 'tessera:autopilot_prefix_caching{model_name="m"} 1.0' in text
-    assert 'tessera:autopilot_changes_total{knob="max_num_batched_tokens",model_name="m"} 1.0' in text
+    assert 'tessera:autopilot_decisions_total{knob="max_num_batched_tokens",model_name="m"} 1.0' in text
     assert 'tessera:autopilot_window_itl_seconds{model_name="m"} 0.05' in text
 
 
