@@ -62,6 +62,7 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, *, served_model_na
     app.state.metrics = metrics
     app.state.served_model_name = served_model_name
     app.state.admission = admission
+    app.state.drain = server.drain
     install_error_handlers(app)
     app.add_middleware(RequestBodyGuard, max_body_bytes=limits.max_body_bytes)
     if allowed_origins:
