@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -214,12 +213,20 @@ def test_generate_prints_the_reply_as_it_is_generated(tiny_model_dir, capsys, mo
     assert "".join(pieces) == reference[0].outputs[0].text
 
 
-def test_llm_logs_while_it_loads(tiny_model_dir):
-    code = f"from tessera import LLM; LLM({str(tiny_model_dir)!r}, dtype='float32', max_model_len=64)"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
-    assert r.returncode == 0, r.stderr
-    assert f"loading {tiny_model_dir}" in r.stderr and "loaded " in r.stderr
+def test_llm_logs_while_it_loads(tiny_model_dir, capsys, monkeypatch):
+    import logging
+
+    from tessera import LLM
+
+    # As in a plain script: nothing configured logging (pytest's own handlers set aside).
+    root, tessera_logger = logging.getLogger(), logging.getLogger("tessera")
+    monkeypatch.setattr(root, "handlers", [])
+    monkeypatch.setattr(tessera_logger, "handlers", [])
+    monkeypatch.setattr(tessera_logger, "level", logging.NOTSET)
+    monkeypatch.setattr(root, "level", logging.WARNING)
+    LLM(str(tiny_model_dir), dtype="float32", max_model_len=64, num_threads=1)
+    err = capsys.readouterr().err
+    assert f"loading {tiny_model_dir}" in err and "loaded " in err
 
 
 # ---- make ---------------------------------------------------------------------------------------------
