@@ -88,6 +88,9 @@ def test_sigterm_ends_a_running_stream_with_abort_usage_and_done_and_exits_0(tin
     assert usage["total_tokens"] == usage["prompt_tokens"] + 4
     assert rc == 0
     _assert_clean_log(srv.log)
+    # "serving ..." only once uvicorn had the app up on the bound socket.
+    serving = next(i for i, line in enumerate(srv.log) if "serving 'tiny' on http://127.0.0.1:" in line)
+    assert serving > next(i for i, line in enumerate(srv.log) if "Application startup complete" in line)
 
 
 def test_sigterm_lets_an_in_flight_request_finish_within_the_shutdown_timeout(tiny_model_dir, tmp_path):
