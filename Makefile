@@ -1,34 +1,47 @@
-# One command sets up and runs the main job; one sets up and runs the tests.
+# Two commands: `make serve` sets up what serving needs and starts the server on the default
+# model; `make test` sets up the test extra as well and runs the tests.
+#   make serve ARGS="--port 9000"          flags for `tessera serve`
+#   make generate PROMPT="..." ARGS="..."  one reply, streamed
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= Tell me about paged attention
+ARGS ?=
+# The CPU wheel of torch first, pinned, so nothing later can pull a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
 
-.PHONY: setup generate serve test test-unit lint bench clean
+.PHONY: setup setup-dev generate serve test test-unit lint clean
 
-$(BIN)/tessera: pyproject.toml
+# The runtime install: torch, then Tessera and its core dependencies (no test or benchmark extras).
+$(VENV)/.installed-serve: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# The CPU wheel of torch first, pinned, so nothing later can pull a multi-GB CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e .
 	touch $@
 
-setup: $(BIN)/tessera
+# The test install: the above plus the dev extra (pytest, openai, schemathesis, ray, triton, ...).
+$(VENV)/.installed-dev: $(VENV)/.installed-serve
+	$(BIN)/pip install -q $(TORCH) -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed-serve
+
+setup-dev: $(VENV)/.installed-dev
 
 generate: setup
-	$(BIN)/tessera generate "$(PROMPT)"
+	$(BIN)/tessera generate "$(PROMPT)" $(ARGS)
 
 serve: setup
-	$(BIN)/tessera serve
+	$(BIN)/tessera serve $(ARGS)
 
-test: setup
-	$(BIN)/python -m pytest -q
+test: setup-dev
+	$(BIN)/python -m pytest -q $(ARGS)
 
-test-unit: setup
-	$(BIN)/python -m pytest -q -m "not integration"
+test-unit: setup-dev
+	$(BIN)/python -m pytest -q -m "not integration" $(ARGS)
 
-lint: setup
+lint: setup-dev
 	$(BIN)/ruff check tessera tests benchmarks
 
 clean:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tessera.sampling import MAX_LOGPROBS  # the most top logprobs the sampler returns per token
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # --quantization choices (tessera/quant) and the int4 group sizes.
 QUANTIZATION_METHODS = ("none", "int8", "int4", "w8a8", "gguf")
@@ -134,6 +136,12 @@ class EngineConfig:
     # beyond the invariance that holds by default (see docs/reproducibility.md).
     enforce_eager: bool = False
     deterministic: bool = False
+    # vLLM's knobs: a tokenizer other than the model's, a chat template (a file or the template
+    # text), the most top logprobs a request may ask for, and max_model_len past the trained context.
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    max_logprobs: int = 20
+    allow_long_context: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -174,3 +182,39 @@ class EngineConfig:
             raise ValueError(f"--preemption-mode {self.preemption_mode!r}: choose recompute, swap or auto")
         if self.preemption_mode == "swap" and self.swap_space == 0:
             raise ValueError("--preemption-mode swap needs a host KV pool: give --swap-space in GiB, e.g. 4")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"--device {self.device!r}: choose cpu or cuda")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"--max-logprobs must be in [0, {MAX_LOGPROBS}] (the most the sampler returns), "
+                             f"got {self.max_logprobs}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"--max-model-len must be >= 2 (a prompt token and an output token), got "
+                             f"{self.max_model_len}")
+        if self.chat_template is not None:
+            chat_template_text(self.chat_template)  # raises for a missing file that is no template either
+
+    def resolve_max_model_len(self, model: ModelConfig) -> int:
+        """max_model_len for `model`: the flag, else the trained context; beyond it only when allowed."""
+        trained = model.max_position_embeddings
+        if self.max_model_len is None:
+            return trained
+        if self.max_model_len > trained and not self.allow_long_context:
+            raise ValueError(f"--max-model-len {self.max_model_len} is beyond the model's trained context of "
+                             f"{trained} tokens: lower it, or add --allow-long-context to use it anyway (outputs "
+                             f"past {trained} tokens may degrade)")
+        return self.max_model_len
+
+
+def chat_template_text(value: str) -> str:
+    """--chat-template's Jinja text: the file it names, or the value itself when it is a template."""
+    import os
+
+    path = os.path.expanduser(value)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template (no '{{{{' or '{{%')")

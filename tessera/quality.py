@@ -99,8 +99,8 @@ def add_quality_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize-lm-head", action="store_true", help="quantize the lm_head too")
     p.add_argument("--quant-group-size", type=int, default=32, help="int4 group size (32, 64 or 128)")
     p.add_argument("--text", default=str(DEFAULT_TEXT), help="UTF-8 text file to score")
-    p.add_argument("--window", type=int, default=512)
-    p.add_argument("--stride", type=int, default=384)
+    p.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
+    p.add_argument("--stride", type=int, default=384, help="tokens between window starts")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
 
 

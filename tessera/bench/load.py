@@ -294,21 +294,23 @@ def print_report(s: dict) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="a server on this machine")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
     p.add_argument("--clients", type=int, default=64, help="concurrent closed-loop clients (without --rate)")
     p.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals per second instead")
     p.add_argument("--max-in-flight", type=int, default=1024, help="open loop: most requests open at once")
     p.add_argument("--duration", type=float, default=15.0, help="seconds to send requests for")
     p.add_argument("--max-requests", type=int, default=100_000, help="stop after sending this many")
-    p.add_argument("--endpoint", choices=["completions", "chat", "mixed"], default="mixed")
+    p.add_argument("--endpoint", choices=["completions", "chat", "mixed"], default="mixed",
+                   help="which API the clients call (mixed: both, alternately)")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (ignore_eos)")
-    p.add_argument("--prompt-words", type=int, default=8)
-    p.add_argument("--num-distinct-prompts", type=int, default=8)
+    p.add_argument("--prompt-words", type=int, default=8, help="words per generated prompt")
+    p.add_argument("--num-distinct-prompts", type=int, default=8,
+                   help="distinct prompts the clients draw from (repeats must get the same greedy text)")
     p.add_argument("--disconnect-fraction", type=float, default=0.2, help="share of requests that hang up early")
     p.add_argument("--timeout", type=float, default=None, help="the `timeout` field sent with each request")
     p.add_argument("--request-timeout", type=float, default=120.0, help="client-side read timeout, seconds")
     p.add_argument("--retry-pause", type=float, default=0.05, help="closed loop: pause after a 503, seconds")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts, arrivals and disconnects")
     p.add_argument("--out", default="", help="write the JSON summary here")
 
 

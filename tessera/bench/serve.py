@@ -233,23 +233,26 @@ def print_report(summary: dict) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from tessera.cli import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="tessera bench serve", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="a server on this machine")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests to send")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="Poisson arrival rate in requests/s (inf: send all at once)")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=64, help="tokens generated per request")
     p.add_argument("--dataset", choices=["random", "fixed"], default="random",
                    help="random: a different random prompt each; fixed: one prompt for all (prefix cache hits)")
     p.add_argument("--prompt", default=None, help="the text of the fixed prompt (default: random words)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slo-ttft-ms", type=float, default=None)
-    p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and the arrival times")
+    p.add_argument("--slo-ttft-ms", type=float, default=None, help="count requests whose TTFT meets this SLO")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, help="count requests whose TPOT meets this SLO")
     p.add_argument("--max-duration", type=float, default=600.0, help="stop after this many seconds")
     p.add_argument("--out", default="serve_bench.json", help="where to write the JSON results ('' for nowhere)")
     p.add_argument("--save-requests", action="store_true", help="include every request's timings in the JSON")

@@ -80,7 +80,7 @@ def create_router(config: EngineConfig, cluster: ClusterConfig, observer=None) -
     handles = _start_workers(roles, worker_config, cluster, transport, threads)
     by_role = {r: [h for h in handles if h.role == r] for r in ("prefill", "decode", "replica")}
     serving = len(by_role["decode"]) or len(by_role["replica"])
-    max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    max_model_len = config.resolve_max_model_len(mc)
     return DisaggRouter(prefill=by_role["prefill"], decode=by_role["decode"], replicas=by_role["replica"],
                         tokenizer=tokenizer, model_config=mc, max_model_len=max_model_len,
                         block_size=config.block_size, max_num_seqs=config.max_num_seqs * serving,

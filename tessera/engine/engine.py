@@ -102,6 +102,7 @@ class LLMEngine:
         self.model_path = path = resolve_model_path(config.model)
         files = load_model_files(path)
         self.model_config = mc = files.config
+        self.max_model_len = config.resolve_max_model_len(mc)  # refused before the weights load
         self.dtype = resolve_dtype(config.dtype)
         t0 = time.perf_counter()
         model = LlamaForCausalLM(mc, self.dtype, device=config.device, attn_backend=config.attention_backend)
@@ -110,9 +111,9 @@ class LLMEngine:
                        group_size=config.quant_group_size, model_files=files, sparsity=config.sparsity)
         prepare_step_kernels(model, config, self.dtype)
         model.eval()
-        self.tokenizer = Tokenizer(path, mc)
+        self.tokenizer = Tokenizer(resolve_model_path(config.tokenizer) if config.tokenizer else path, mc,
+                                   chat_template=config.chat_template)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         num_blocks = num_kv_blocks(config, mc, self.dtype, self.max_model_len)
         num_host_blocks = num_host_kv_blocks(config.swap_space, config.block_size,
                                              kv_bytes_per_token(mc, self.dtype, config.kv_cache_dtype))
@@ -197,6 +198,9 @@ class LLMEngine:
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is out of the vocabulary (0..{vocab - 1})")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs {params.logprobs} is more than this server's limit of "
+                             f"{self.config.max_logprobs} (--max-logprobs)")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(prompt_ids)} tokens but the model's context is {self.max_model_len} "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence as SequenceABC
 from dataclasses import fields
 
@@ -14,6 +15,20 @@ from tessera.outputs import RequestOutput
 from tessera.sampling import SamplingParams
 
 PromptInput = str | list[int] | dict
+
+logger = logging.getLogger("tessera")
+
+
+def _show_progress_logs() -> None:
+    """Show Tessera's INFO lines (fetching, loading) when the program configured no logging:
+    without it, a first `LLM()` would sit silent for seconds while it downloads and loads."""
+    if logging.getLogger().handlers or logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
 
 
 class LLM:
@@ -28,7 +43,19 @@ class LLM:
         unknown = set(engine_kwargs) - known
         if unknown:
             raise TypeError(f"unknown LLM argument(s) {sorted(unknown)}; known: {sorted(known - {'model'})}")
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        self._start(EngineConfig(model=model, **engine_kwargs))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An LLM for a ready EngineConfig (the CLI builds and validates one from its flags)."""
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        _show_progress_logs()
+        logger.info("loading %s (fetched once if it is a packaged model name)", config.model)
+        self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -51,13 +52,31 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
     name = str(name_or_path)
     if name in PACKAGED_MODELS:
         return _fetch_packaged(PACKAGED_MODELS[name])
-    path = Path(name).expanduser()
-    if not path.exists():
+    check_model_path(name)
+    return Path(name).expanduser()
+
+
+def check_model_path(name_or_path: str | os.PathLike, what: str = "model") -> None:
+    """Raise FileNotFoundError (one line saying what to do) unless the model can be found; cheap,
+    so the CLI calls it before anything slow. A packaged model name passes (it is fetched later)."""
+    name = str(name_or_path)
+    if name in PACKAGED_MODELS or Path(name).expanduser().exists():
+        return
+    if _HUB_ID.fullmatch(name):
+        local = name.split("/")[-1]
         raise FileNotFoundError(
-            f"model {name!r} not found: give a Hugging Face model folder (with config.json), "
-            f"a .gguf file, or one of the packaged model names: {', '.join(PACKAGED_MODELS)}"
+            f"{what} {name!r} looks like a Hugging Face hub id, and Tessera does not download from the hub: "
+            f"download it yourself (e.g. `huggingface-cli download {name} --local-dir ./{local}`) and pass "
+            f"the folder (./{local}) or a .gguf file; no such local path exists either"
         )
-    return path
+    raise FileNotFoundError(
+        f"{what} {name!r} not found: give a Hugging Face model folder (with config.json), "
+        f"a .gguf file, or one of the packaged model names: {', '.join(PACKAGED_MODELS)}"
+    )
+
+
+# owner/name, as on huggingface.co (letters, digits, '-', '_', '.'); one slash.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def _fetch_packaged(model: PackagedModel) -> Path:

@@ -20,7 +20,9 @@ logger = logging.getLogger("tessera")
 class Tokenizer:
     """The tokenizer of the model at `path` (a Hugging Face folder, or a .gguf file)."""
 
-    def __init__(self, path: str | os.PathLike, config: ModelConfig | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, config: ModelConfig | None = None,
+                 chat_template: str | None = None) -> None:
+        """chat_template: --chat-template (a file or the Jinja text) in place of the model's own."""
         from transformers import AutoTokenizer
 
         path = Path(path)
@@ -32,6 +34,10 @@ class Tokenizer:
         else:
             self.hf = AutoTokenizer.from_pretrained(path)
         self.path = path
+        if chat_template is not None:
+            from tessera.config import chat_template_text
+
+            self.hf.chat_template = chat_template_text(chat_template)
         # The tokenizers backend decodes without transformers' per-call overhead, which matters
         # when the detokenizer decodes a few tokens for every generated token.
         backend = getattr(self.hf, "backend_tokenizer", None)

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -251,10 +252,17 @@ class RequestBodyGuard:
             if not message.get("more_body", False):
                 break
         try:
-            bytes(body).decode("utf-8")
+            text = bytes(body).decode("utf-8")
         except UnicodeDecodeError as exc:
             await self._reject(scope, receive, send, APIError(
                 400, f"the body is not valid UTF-8 (byte {exc.start}); JSON must be UTF-8", code="invalid_json"))
+            return
+        lone = lone_surrogate_escape(text)
+        if lone is not None:
+            await self._reject(scope, receive, send, APIError(
+                400, f"the body's JSON has a lone UTF-16 surrogate escape {text[lone:lone + 6]!r} at character "
+                     f"{lone}: it is no Unicode character (a surrogate is valid only as a high-low pair)",
+                code="invalid_json"))
             return
         if not content_type:  # a client that names no type gets its body read as JSON
             scope = dict(scope, headers=[*scope["headers"], (b"content-type", b"application/json")])
@@ -277,6 +285,40 @@ class RequestBodyGuard:
     @staticmethod
     async def _reject(scope, receive, send, exc: APIError) -> None:
         await error_response(exc)(scope, receive, send)
+
+
+# A JSON escape: `\\` (an escaped backslash) or `\uXXXX`. Scanning left to right with this
+# pattern pairs every backslash with what it escapes, so `\\ud800` (a backslash, then text) is
+# not taken for an escape.
+_ESCAPE = re.compile(r"\\(?:\\|u([0-9a-fA-F]{4}))")
+_MAYBE_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def lone_surrogate_escape(text: str) -> int | None:
+    """Where the first `\uD800`-`\uDFFF` escape that is not part of a high-low pair starts, or None.
+
+    json.loads turns such an escape into a lone surrogate, a str that no tokenizer (and no UTF-8
+    encoder) accepts; so it is refused here as invalid input (RFC 8259 section 8.2).
+    """
+    if not _MAYBE_SURROGATE.search(text):
+        return None
+    high_at: int | None = None  # where a high surrogate waiting for its low half starts
+    high_end = -1
+    for m in _ESCAPE.finditer(text):
+        unit = int(m.group(1), 16) if m.group(1) else None
+        is_low = unit is not None and 0xDC00 <= unit <= 0xDFFF
+        if high_at is not None:
+            if is_low and m.start() == high_end:
+                high_at = None
+                continue
+            return high_at
+        if unit is None:
+            continue
+        if 0xD800 <= unit <= 0xDBFF:
+            high_at, high_end = m.start(), m.end()
+        elif is_low:
+            return m.start()
+    return high_at
 
 
 def _is_json(content_type: str) -> bool:

@@ -26,6 +26,7 @@ from tessera.server.admission import AdmissionCollector, AdmissionController, Re
 from tessera.server.errors import APIError, error_response, install_error_handlers
 from tessera.server.metrics import ServerMetrics
 from tessera.server.request_group import ClientDisconnected
+from tessera.server.request_log import RefusedRequestLog
 from tessera.server.serving import OpenAIServer
 
 
@@ -62,11 +63,13 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, *, served_model_na
     app.state.metrics = metrics
     app.state.served_model_name = served_model_name
     app.state.admission = admission
+    app.state.drain = server.drain
     install_error_handlers(app)
     app.add_middleware(RequestBodyGuard, max_body_bytes=limits.max_body_bytes)
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(RefusedRequestLog)  # outermost: it sees the body guard's and CORS's refusals too
 
     @app.exception_handler(ClientDisconnected)
     async def _client_gone(request: Request, exc: ClientDisconnected) -> Response:

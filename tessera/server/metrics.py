@@ -16,7 +16,14 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -28,6 +35,8 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
                     20.0, 40.0, 80.0, 160.0)
 _TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                           1.0, 2.5, 5.0)
+# finish_reason values a request can end with (the label of tessera:request_success_total).
+FINISH_REASONS = ("stop", "length", "abort")
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 
@@ -69,10 +78,15 @@ class ServerMetrics:
                                            _TOKEN_COUNT_BUCKETS)
         self.iteration_num_seqs = histogram("tessera:iteration_num_seqs", "Sequences in one engine step.",
                                             _BATCH_BUCKETS)
-        self.iteration_tokens = histogram("tessera:iteration_tokens_total", "Tokens computed in one engine step.",
+        # Histogram names carry no _total (Prometheus keeps that suffix for counters).
+        self.iteration_tokens = histogram("tessera:iteration_tokens", "Tokens computed in one engine step.",
                                           _BATCH_BUCKETS)
         self._success = Counter("tessera:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
+        for reason in FINISH_REASONS:  # every declared family exports a sample, 0 before the first request
+            self._success.labels(model_name, reason)
+        # process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds, ... of this process.
+        ProcessCollector(registry=self.registry)
         self._tracked: dict[str, _Tracked] = {}
         self._stats_fn: Callable | None = None
         self.registry.register(_EngineStatsCollector(self))

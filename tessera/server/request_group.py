@@ -7,7 +7,9 @@ aborts every one that is still running, which frees its KV blocks before the nex
 
 A group may carry an admission Ticket (given back when the group ends, however it ends) and a
 timeout: at the deadline every unfinished request is aborted; a stream then ends its choices with
-finish_reason "abort", a non-streamed request gets a 408.
+finish_reason "abort", a non-streamed request gets a 408. A server shutting down ends its groups the
+same way (`end("shutdown")`): streams end with "abort", usage and [DONE]; a non-streamed request
+gets a 503. Groups register in a `live` set so that the shutdown can find them.
 """
 
 from __future__ import annotations
@@ -36,14 +38,18 @@ class ClientDisconnected(Exception):
 class RequestGroup:
     def __init__(self, engine: AsyncLLMEngine, streams: list[RequestStream], prompts: list[list[int]],
                  params: SamplingParams, ticket: Ticket | None = None, timeout: float | None = None,
-                 arrival_time: float | None = None) -> None:
+                 arrival_time: float | None = None, live: set[RequestGroup] | None = None) -> None:
         self.engine = engine
         self.streams = streams
         self.prompts = prompts
         self.n = params.n
         self.ticket = ticket
         self.timeout = timeout
-        self.timed_out = False
+        # Why the server ended the group before it finished: None, "timeout" or "shutdown".
+        self.end_reason: str | None = None
+        self._live = live
+        if live is not None:
+            live.add(self)
         self._last: dict[int, RequestOutput] = {}  # prompt index -> latest output
         self._timer: asyncio.TimerHandle | None = None
         if timeout is not None:
@@ -53,7 +59,8 @@ class RequestGroup:
 
     @classmethod
     async def add(cls, engine: AsyncLLMEngine, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                  arrival_time: float, ticket: Ticket | None = None, timeout: float | None = None) -> RequestGroup:
+                  arrival_time: float, ticket: Ticket | None = None, timeout: float | None = None,
+                  live: set[RequestGroup] | None = None) -> RequestGroup:
         """Queue one engine request per prompt; a refused prompt aborts the rest and raises an APIError."""
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         try:
@@ -67,7 +74,7 @@ class RequestGroup:
             raise
         errors = [r for r in results if isinstance(r, BaseException)]
         if not errors:
-            return cls(engine, list(results), prompts, params, ticket, timeout, arrival_time)
+            return cls(engine, list(results), prompts, params, ticket, timeout, arrival_time, live)
         engine.abort(ids)
         if ticket is not None:
             ticket.release()
@@ -82,16 +89,28 @@ class RequestGroup:
             self._timer.cancel()
         if self.ticket is not None:
             self.ticket.release()
+        if self._live is not None:
+            self._live.discard(self)
+
+    @property
+    def timed_out(self) -> bool:
+        return self.end_reason == "timeout"
 
     def _expire(self) -> None:
+        if self.end("timeout"):
+            logger.info("timeout after %gs; aborted %s", self.timeout, ", ".join(s.request_id for s in self.streams))
+            if self.ticket is not None:
+                self.ticket.timed_out()
+
+    def end(self, reason: str) -> bool:
+        """End every unfinished request now ("timeout" or "shutdown"): streams close with
+        finish_reason "abort"; returns False when nothing was left running."""
         unfinished = [s.request_id for s in self.streams if not s.finished]
-        if not unfinished:
-            return
-        self.timed_out = True
-        logger.info("timeout after %gs; aborting %s", self.timeout, ", ".join(unfinished))
-        if self.ticket is not None:
-            self.ticket.timed_out()
+        if not unfinished or self.end_reason is not None:
+            return False
+        self.end_reason = reason
         self.engine.abort(unfinished)
+        return True
 
     def _seen(self, i: int, out: RequestOutput) -> None:
         if i not in self._last and self.ticket is not None:
@@ -125,7 +144,7 @@ class RequestGroup:
                         self._seen(0, out)
                         yield 0, out
                 except RequestAbortedError:
-                    if not self.timed_out:
+                    if self.end_reason is None:
                         raise
                     yield 0, self._timed_out_output(0)
             finally:
@@ -139,7 +158,7 @@ class RequestGroup:
                     self._seen(i, out)
                     queue.put_nowait((i, out))
             except RequestAbortedError as exc:
-                queue.put_nowait((i, self._timed_out_output(i) if self.timed_out else exc))
+                queue.put_nowait((i, self._timed_out_output(i) if self.end_reason is not None else exc))
             except Exception as exc:
                 queue.put_nowait((i, exc))
             queue.put_nowait((i, None))
@@ -182,6 +201,10 @@ class RequestGroup:
                     raise APIError(408, f"the request did not finish within its timeout of {self.timeout:g} s "
                                         f"(the request's `timeout` field, capped by --request-timeout) and was "
                                         f"aborted", param="timeout", code="request_timeout")
+                if self.end_reason == "shutdown":
+                    raise APIError(503, "the server shut down before the request finished (it waited "
+                                        "--shutdown-timeout seconds); retry on another replica or after the "
+                                        "restart", code="server_shutting_down", headers={"Retry-After": "1"})
                 return finals
             logger.info("client disconnected; aborting %s", ", ".join(s.request_id for s in self.streams))
             raise ClientDisconnected()

@@ -52,6 +52,7 @@ from tessera.server.protocol import (
     TokenizeResponse,
 )
 from tessera.server.request_group import RequestGroup
+from tessera.server.shutdown import Drain
 
 
 class OpenAIServer:
@@ -66,6 +67,7 @@ class OpenAIServer:
         self.max_model_len = engine.max_model_len
         self.limits = limits or ServerLimits()
         self.admission = admission or AdmissionController(self.limits, engine.max_num_seqs)
+        self.drain = Drain()  # the live request groups, for a graceful shutdown (shutdown.py)
 
     # ---- simple routes ------------------------------------------------------------------------
 
@@ -108,7 +110,7 @@ class OpenAIServer:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         group = await RequestGroup.add(self.engine, request_id, prompts, params, arrival,
                                        ticket=self.admission.admit(params.n, [len(p) for p in prompts]),
-                                       timeout=self.limits.timeout_for(body.timeout))
+                                       timeout=self.limits.timeout_for(body.timeout), live=self.drain.groups)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             body_iter = self._stream_completion(request_id, group, params, include_usage)
@@ -180,7 +182,7 @@ class OpenAIServer:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         group = await RequestGroup.add(self.engine, request_id, [ids], params, arrival,
                                        ticket=self.admission.admit(params.n, [len(ids)]),
-                                       timeout=self.limits.timeout_for(body.timeout))
+                                       timeout=self.limits.timeout_for(body.timeout), live=self.drain.groups)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             body_iter = self._stream_chat(request_id, group, params, include_usage)
@@ -251,6 +253,10 @@ class OpenAIServer:
             raise APIError(400, "best_of other than n is not supported", param="best_of")
 
     def _check_limits(self, body, params: SamplingParams, num_prompts: int) -> None:
+        if self.drain.draining:
+            raise APIError(503, "the server is shutting down and takes no new requests; retry on another "
+                                "replica or after the restart", code="server_shutting_down",
+                           headers={"Retry-After": str(self.limits.retry_after_s)})
         check_request_limits(self.limits, n=params.n, num_prompts=num_prompts, stop=params.stop,
                              stop_token_ids=params.stop_token_ids, vocab_size=self.engine.model_config.vocab_size,
                              timeout=body.timeout)

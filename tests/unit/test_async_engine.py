@@ -113,31 +113,41 @@ def test_concurrent_requests_share_steps(engine, fake):
 
 
 def test_event_loop_is_not_blocked_by_steps():
-    fake = FakeEngine(step_delay=0.05)
-    engine = AsyncLLMEngine(fake)
-    ticks = 0
+    # Each step waits until a coroutine on the event loop has run during it: were the steps run on
+    # the loop (or holding it), that coroutine could not run and the step would give up waiting.
+    fake = FakeEngine()
+    in_step, loop_ran = threading.Event(), threading.Event()
+    seen: list[bool] = []
+    real_step = fake.step
 
-    async def ticker(stop: asyncio.Event):
-        nonlocal ticks
+    def step():
+        loop_ran.clear()
+        in_step.set()
+        seen.append(loop_ran.wait(10))
+        return real_step()
+
+    fake.step = step
+    engine = AsyncLLMEngine(fake)
+
+    async def watcher(stop: asyncio.Event):
         while not stop.is_set():
-            await asyncio.sleep(0.005)
-            ticks += 1
+            if in_step.is_set():
+                in_step.clear()
+                loop_ran.set()
+            await asyncio.sleep(0.001)
 
     async def main():
         stop = asyncio.Event()
-        t = asyncio.ensure_future(ticker(stop))
-        start = time.monotonic()
-        await run_one(engine, "slow", [1], 6)  # six 50 ms steps
+        t = asyncio.ensure_future(watcher(stop))
+        await run_one(engine, "slow", [1], 6)
         stop.set()
         await t
-        return time.monotonic() - start
 
     try:
-        elapsed = asyncio.run(main())
+        asyncio.run(main())
     finally:
         engine.shutdown()
-    # A blocked loop would tick once per step at most; a free one ticks every few ms.
-    assert ticks > 3 * 6, (ticks, elapsed)
+    assert seen == [True] * 6
 
 
 def test_consumer_leaving_early_aborts_in_engine(engine, fake):

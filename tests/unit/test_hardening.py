@@ -27,6 +27,7 @@ from tessera.engine.engine import LLMEngine
 from tessera.server.admission import AdmissionController, ServerLimits
 from tessera.server.app import create_app
 from tests.load.harness import free_port
+from tests.step_gate import StepGate
 from tests.unit.test_server import MAX_MODEL_LEN, MODEL, ServerThread, engine_config
 
 KEY = "k3y-for-tests-0123456789"
@@ -250,7 +251,9 @@ async def _open_stream(client: httpx.AsyncClient, base_url: str, body: dict) -> 
     return r
 
 
-def test_server_answers_503_with_retry_after_at_once_when_the_queue_is_full(tiny_model_dir):
+def test_server_answers_503_with_retry_after_at_once_when_the_queue_is_full(tiny_model_dir, monkeypatch):
+    # No engine step runs while the 503 is decided: the refusal cannot have waited for one.
+    gate = StepGate(allowed=0).install(monkeypatch)
     config = dataclasses.replace(engine_config(tiny_model_dir), max_num_seqs=2)
     app = create_app(config, served_model_name=MODEL, limits=ServerLimits(max_waiting_requests=1))
     long = {"model": MODEL, "prompt": "long", "max_tokens": 200, "ignore_eos": True, "stream": True}
@@ -259,18 +262,18 @@ def test_server_answers_503_with_retry_after_at_once_when_the_queue_is_full(tiny
         async with httpx.AsyncClient(timeout=30) as client:
             streams = [await _open_stream(client, base_url, long) for _ in range(3)]  # 2 run, 1 waits
             assert [s.status_code for s in streams] == [200, 200, 200]
-            start = time.perf_counter()
             r = await client.post(base_url + C, json={"model": MODEL, "prompt": "x", "max_tokens": 1})
-            elapsed = time.perf_counter() - start
+            steps_before_answer = gate.done
+            gate.open()
             for s in streams:
                 await s.aclose()
-            return r, elapsed
+            return r, steps_before_answer
 
     with ServerThread(app) as srv:
-        r, elapsed = asyncio.run(main(srv.base_url))
+        r, steps = asyncio.run(main(srv.base_url))
         err = assert_openai_error(r, 503, fragment="--max-waiting-requests")
         assert err["code"] == "server_overloaded" and r.headers["retry-after"] == "1"
-        assert elapsed < 1.0
+        assert steps == 0
         srv.wait_idle()
         r = httpx.post(srv.base_url + C, json={"model": MODEL, "prompt": "x", "max_tokens": 1})
         assert r.status_code == 200
@@ -298,12 +301,11 @@ def timeout_server(tiny_model_dir):
             yield srv
 
 
-def test_request_past_its_timeout_is_aborted_with_a_408_and_its_blocks_freed(timeout_server):
+def test_request_past_its_timeout_is_aborted_with_a_408_and_its_blocks_freed(timeout_server, monkeypatch):
     srv = timeout_server
+    StepGate(allowed=3).install(monkeypatch)  # three steps, then held: the request cannot finish first
     body = {"model": MODEL, "prompt": "slow", "max_tokens": 240, "n": 4, "ignore_eos": True, "timeout": 0.05}
-    start = time.perf_counter()
     r = httpx.post(srv.base_url + C, json=body, timeout=30)
-    assert time.perf_counter() - start < 2.0
     err = assert_openai_error(r, 408, "timeout", "timeout of 0.05 s")
     assert err["code"] == "request_timeout"
     stats = srv.wait_idle()
@@ -314,9 +316,11 @@ def test_request_past_its_timeout_is_aborted_with_a_408_and_its_blocks_freed(tim
     assert "tessera:request_timeouts_total" in httpx.get(srv.base_url + "/metrics").text
 
 
-def test_streamed_request_past_its_timeout_ends_with_finish_reason_abort(timeout_server):
+def test_streamed_request_past_its_timeout_ends_with_finish_reason_abort(timeout_server, monkeypatch):
     srv = timeout_server
-    body = {"model": MODEL, "prompt": "slow", "max_tokens": 240, "n": 2, "ignore_eos": True, "timeout": 0.1,
+    StepGate(allowed=5).install(monkeypatch)  # the prefill and four decode steps, then held until the timeout
+    # 0.5 s (the server's cap) leaves the five allowed steps ample time before the deadline.
+    body = {"model": MODEL, "prompt": "slow", "max_tokens": 240, "n": 2, "ignore_eos": True, "timeout": 0.5,
             "stream": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", srv.base_url + C, json=body, timeout=30) as r:
         assert r.status_code == 200
@@ -330,21 +334,27 @@ def test_streamed_request_past_its_timeout_ends_with_finish_reason_abort(timeout
     usage = chunks[-1]["usage"]
     texts = {i: "".join(c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["index"] == i)
              for i in (0, 1)}
-    assert 0 < usage["completion_tokens"] < 2 * 240 and all(texts.values())
+    assert usage["completion_tokens"] == 2 * 5 and all(texts.values())
     stats = srv.wait_idle()
     assert stats.num_running == 0 and stats.kv_cache_usage == 0
 
 
-def test_request_that_times_out_in_the_queue_gets_a_408(timeout_server):
+def test_request_that_times_out_in_the_queue_gets_a_408(timeout_server, monkeypatch):
     srv = timeout_server
+    gate = StepGate(allowed=0).install(monkeypatch)
     hog = {"model": MODEL, "prompt": "hog", "max_tokens": 200, "n": 4, "ignore_eos": True, "timeout": 0.4}
     queued = {"model": MODEL, "prompt": "queued", "max_tokens": 5, "timeout": 0.1}
 
     async def main():
         async with httpx.AsyncClient(base_url=srv.base_url, timeout=30) as client:
             hog_task = asyncio.ensure_future(client.post(C, json=hog))
-            await asyncio.sleep(0.05)  # the hog fills the batch of 4
-            r = await client.post(C, json=queued)
+            while srv.engine.num_in_flight < 1:
+                await asyncio.sleep(0.005)
+            gate.allow(1)  # one step: the hog's 4 sequences fill the batch of 4 and are prefilled
+            while gate.done < 1:
+                await asyncio.sleep(0.005)
+            r = await client.post(C, json=queued)  # waits behind the full batch; no step runs
+            gate.open()
             return r, await hog_task
 
     r, hog_r = asyncio.run(main())

@@ -23,6 +23,7 @@ from tessera.config import EngineConfig
 from tessera.engine.engine import LLMEngine
 from tessera.sampling import SamplingParams
 from tessera.server.app import create_app
+from tests.step_gate import StepGate, wait_until
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 256
@@ -323,11 +324,21 @@ def test_client_disconnect_mid_stream_frees_blocks(server):
     assert server.client().completions.create(model=MODEL, prompt="ok", max_tokens=2).choices
 
 
-def test_client_disconnect_while_waiting_for_non_streamed_answer(server):
+def test_client_disconnect_while_waiting_for_non_streamed_answer(server, monkeypatch):
+    # The engine's steps are held, so the request is certainly unfinished when the client leaves
+    # (on a quiet machine the tiny model would finish 240 tokens before any client timeout).
+    gate = StepGate(allowed=2).install(monkeypatch)
     aborts = abort_count(server.base_url)
-    body = {"model": MODEL, "prompt": "patience", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.base_url + "/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.3))
+    body = json.dumps({"model": MODEL, "prompt": "patience", "max_tokens": 240, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_until(lambda: server.engine.num_in_flight == 1 and gate.done == 2, what="the request to run")
+    # The socket is closed: the server sees the disconnect and aborts the request, with no step taken.
+    wait_until(lambda: server.engine.num_in_flight == 0, what="the abort")
+    assert gate.done == 2
+    gate.open()
     stats = server.wait_idle()
     assert stats.num_running == 0 and stats.kv_cache_usage == 0
     assert abort_count(server.base_url) == aborts + 1
