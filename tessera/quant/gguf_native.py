@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from tessera.quant import native_gemv
 from tessera.quant.int4 import Int4Linear
 from tessera.quant.linear import QuantLinear, tile_rows_for, tiled_matmul
 
@@ -69,10 +70,11 @@ def decode_q8_0(raw: np.ndarray, rows: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 class Q8_0Linear(QuantLinear):
-    """A GGUF Q8_0 weight: int8 codes with a float16 scale per 32, dequantized in tiles per call."""
+    """A GGUF Q8_0 weight: int8 codes with a float16 scale per 32. Decode-sized calls take the C++
+    GEMV (native_gemv.py) when it is built; others dequantize in tiles per call."""
 
     method = "gguf Q8_0"
-    kernels = ("dequant",)
+    kernels = ("native", "dequant")
 
     def __init__(self, codes: torch.Tensor, d: torch.Tensor) -> None:
         super().__init__(codes.shape[0], codes.shape[1])
@@ -89,9 +91,13 @@ class Q8_0Linear(QuantLinear):
         return w
 
     def select_kernel(self, num_rows: int) -> str:
+        if self.codes.device.type == "cpu" and num_rows <= native_gemv.NATIVE_MAX_ROWS and native_gemv.available():
+            return "native"
         return "dequant"
 
     def run_kernel(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+        if kernel == "native":
+            return native_gemv.gemv_q8_0(x, self.codes, self.d)
         if kernel != "dequant":
             raise ValueError(f"unknown Q8_0 kernel {kernel!r}; have {self.kernels}")
         return tiled_matmul(x, self.out_features, tile_rows_for(self.in_features), self._fill)
