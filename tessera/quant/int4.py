@@ -17,8 +17,8 @@ Kernels (measured on an AMD Zen 3 without AVX-512, one thread, weights cold in c
   at M <= 4 (it reads half a byte per weight), slower from M = 16 on; float32 or float16
   activations are 10-100x slower (scalar code), so x goes in as bf16.
 - "native": the C++ AVX-512 GEMV (native_gemv.py) on the packed codes themselves, for
-  M <= NATIVE_MAX_ROWS when this torch packs 64-row blocks (its AVX-512 layout); taken whenever
-  it is built.
+  M <= NATIVE_MAX_ROWS when this torch packs 64-row blocks (its AVX-512 layout). Not chosen by
+  default: on a Sapphire Rapids-class Xeon it ran at 0.8-0.9x int4pack's speed at M = 1.
 - "dequant": unpack a tile of row blocks at a time into float and multiply it (see
   `_dequant_matmul`); for prefill-sized M the unpack is a small fraction of the GEMM.
 """
@@ -152,8 +152,7 @@ class Int4Linear(QuantLinear):
                 and native_gemv.available())
 
     def select_kernel(self, num_rows: int) -> str:
-        if num_rows <= native_gemv.NATIVE_MAX_ROWS and self.native_ok():
-            return "native"
+        # "native" is not chosen: measured slower than int4pack at M = 1 (docs/quantization.md).
         return "int4pack" if num_rows <= INT4PACK_MAX_ROWS else "dequant"
 
     def run_kernel(self, kernel: str, x: torch.Tensor) -> torch.Tensor:

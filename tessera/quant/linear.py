@@ -186,6 +186,8 @@ def quantize_model(
         raise ValueError("--sparsity 2:4 cannot be combined with --quantization gguf: use none, int8, int4 or w8a8")
     if method == "none" and sparsity == "none":
         return model
+    if method == "gguf":  # the lm_head computes from the file's own blocks: no loss to ask for
+        quantize_lm_head = True
     slots = linear_weight_slots(model, quantize_lm_head)
     if sparsity != "none":
         _prune(slots, method)
@@ -194,10 +196,16 @@ def quantize_model(
     if method == "gguf":
         from tessera.quant.gguf_native import gguf_linears
 
-        layers = gguf_linears(model, model_files, [desc for _, _, desc in slots])
+        from tessera.quant.gguf_embedding import QuantEmbedding
+
+        tied = model.config.tie_word_embeddings
+        layers = gguf_linears(model, model_files, [desc for _, _, desc in slots] + ([] if tied else ["embed_tokens"]))
         for owner, name, desc in slots:
             if desc in layers:  # block types without a native kernel keep their float weight
                 replace_weight(owner, name, layers[desc])
+        table = layers.get("lm_head" if tied else "embed_tokens")
+        if table is not None:  # look tokens up in the blocks; the float table is freed
+            replace_weight(model, "embed_tokens", QuantEmbedding(table, model.dtype))
     else:
         quantize = _quantizers()[method]
         layers = {}
