@@ -12,6 +12,8 @@ $(BIN)/tessera: pyproject.toml
 	# The CPU wheel of torch first, pinned, so nothing later can pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
+	# The C++ kernels, built once for this CPU (a failed build only means the torch fallback).
+	$(BIN)/python -m tessera.native || echo "native kernels not built: the torch kernels will be used"
 	touch $@
 
 setup: $(BIN)/tessera

@@ -194,9 +194,8 @@ def quantize_model(
         if method == "none":
             return model
     if method == "gguf":
-        from tessera.quant.gguf_native import gguf_linears
-
         from tessera.quant.gguf_embedding import QuantEmbedding
+        from tessera.quant.gguf_native import gguf_linears
 
         tied = model.config.tie_word_embeddings
         layers = gguf_linears(model, model_files, [desc for _, _, desc in slots] + ([] if tied else ["embed_tokens"]))

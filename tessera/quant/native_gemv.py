@@ -21,8 +21,10 @@ from tessera.native import load_extension
 
 # Up to this many activation rows the kernels beat the torch ones (benchmarks/quant.py --kernels).
 NATIVE_MAX_ROWS = 8
-# How far ahead of the weight being read the kernels prefetch (measured: see docs/quantization.md).
+# How far ahead of the weight being read the kernels prefetch, and into which cache (tuning knobs;
+# 4096 bytes into L1: the best of 1, 4 and 16 KiB; an L2 hint was no better, on the development Xeon).
 PREFETCH_BYTES = int(os.environ.get("TESSERA_GEMV_PREFETCH", "4096"))
+PREFETCH_HINT = os.environ.get("TESSERA_GEMV_PREFETCH_HINT", "_MM_HINT_T0")
 _SOURCES = (Path(__file__).parent / "csrc" / "gemv.cpp",)
 
 
@@ -33,7 +35,8 @@ def cpu_supported() -> bool:
 @functools.cache
 def available() -> bool:
     """True when the kernels are built and loaded on a CPU that can run them."""
-    if not cpu_supported() or not load_extension("tessera_gemv", _SOURCES, (f"PREFETCH_BYTES={PREFETCH_BYTES}",)):
+    defines = (f"PREFETCH_BYTES={PREFETCH_BYTES}", f"PREFETCH_HINT={PREFETCH_HINT}")
+    if not cpu_supported() or not load_extension("tessera_gemv", _SOURCES, defines):
         return False
     _register_fakes()
     return True
