@@ -79,7 +79,10 @@ class Q8_0Linear(QuantLinear):
     GEMV (native_gemv.py) when it is built; others dequantize in tiles per call."""
 
     method = "gguf Q8_0"
-    kernels = ("native", "dequant")
+
+    @property
+    def kernels(self) -> tuple[str, ...]:  # "native" only where the C++ extension is built
+        return (("native",) if native_gemv.available() else ()) + ("dequant",)
 
     def __init__(self, codes: torch.Tensor, d: torch.Tensor) -> None:
         super().__init__(codes.shape[0], codes.shape[1])

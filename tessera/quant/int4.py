@@ -81,7 +81,10 @@ def packed_layout() -> int:
 
 class Int4Linear(QuantLinear):
     method = "int4"
-    kernels = ("native", "int4pack", "dequant")
+
+    @property
+    def kernels(self) -> tuple[str, ...]:  # "native" only where the C++ extension is built
+        return (("native",) if native_gemv.available() else ()) + ("int4pack", "dequant")
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> None:
         """codes: uint8 [out, in] in 0..15; scale, zero: [out, in / group_size] (kernel convention)."""

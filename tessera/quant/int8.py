@@ -33,7 +33,10 @@ def round_to_bf16(t: torch.Tensor) -> torch.Tensor:
 
 class Int8Linear(QuantLinear):
     method = "int8"
-    kernels = ("native", "int8pack", "dequant")
+
+    @property
+    def kernels(self) -> tuple[str, ...]:  # "native" only where the C++ extension is built
+        return (("native",) if native_gemv.available() else ()) + ("int8pack", "dequant")
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
         """qweight: int8 [out, in]; scale: [out], representable in bfloat16."""

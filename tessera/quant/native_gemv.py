@@ -60,16 +60,24 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32).contiguous()
 
 
+def _by_chunks(op, x: torch.Tensor, *args) -> torch.Tensor:
+    """The op on x in chunks of at most NATIVE_MAX_ROWS rows (the kernels' register budget)."""
+    x = _f32(x)
+    if x.shape[0] <= NATIVE_MAX_ROWS:
+        return op(x, *args)
+    return torch.cat([op(c.contiguous(), *args) for c in x.split(NATIVE_MAX_ROWS)])
+
+
 def gemv_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ (scale[:, None] * q).T in x's dtype (float32 accumulation)."""
-    return torch.ops.tessera_gemv.int8(_f32(x), q, scale).to(x.dtype)
+    return _by_chunks(torch.ops.tessera_gemv.int8, x, q, scale).to(x.dtype)
 
 
 def gemv_q8_0(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ W.T for a Q8_0 weight (int8 codes [N, K], float16 d [N, K / 32])."""
-    return torch.ops.tessera_gemv.q8_0(_f32(x), codes, d).to(x.dtype)
+    return _by_chunks(torch.ops.tessera_gemv.q8_0, x, codes, d).to(x.dtype)
 
 
 def gemv_int4pack(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group: int) -> torch.Tensor:
     """x [M, K] @ W.T for an int4 weight in torch's 64-row packed layout -> [M, padded rows]."""
-    return torch.ops.tessera_gemv.int4pack(_f32(x), packed, scales_zeros, group).to(x.dtype)
+    return _by_chunks(torch.ops.tessera_gemv.int4pack, x, packed, scales_zeros, group).to(x.dtype)
