@@ -18,6 +18,8 @@ $(VENV)/.installed-serve: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e .
+	# The C++ kernels, built once for this CPU (a failed build only means the torch fallback).
+	$(BIN)/python -m tessera.native || echo "native kernels not built: the torch kernels will be used"
 	touch $@
 
 # The test install: the above plus the dev extra (pytest, openai, schemathesis, ray, triton, ...).

@@ -61,8 +61,9 @@ def build_dir(name: str) -> Path:
 
 
 @functools.cache
-def load_extension(name: str, sources: tuple[Path, ...]) -> bool:
-    """Build (or reuse) and load the op library `name`; True when its ops are registered."""
+def load_extension(name: str, sources: tuple[Path, ...], defines: tuple[str, ...] = ()) -> bool:
+    """Build (or reuse) and load the op library `name`; True when its ops are registered.
+    `defines` ("NAME=VALUE") become -D flags."""
     if not enabled():
         logger.info("native extension %s: off (TESSERA_NATIVE=0); using the torch kernels", name)
         return False
@@ -73,7 +74,7 @@ def load_extension(name: str, sources: tuple[Path, ...]) -> bool:
         cpp_extension.load(
             name=name,
             sources=[str(s) for s in sources],
-            extra_cflags=CFLAGS,
+            extra_cflags=CFLAGS + [f"-D{d}" for d in defines],
             build_directory=str(build_dir(name)),
             is_python_module=False,
             verbose=False,

@@ -26,6 +26,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor | nn.Module, bias: torch.Tensor
     return weight(x, bias)
 
 
+def embedding(input_ids: torch.Tensor, table: torch.Tensor | nn.Module) -> torch.Tensor:
+    """F.embedding for a float table; a quantized table (gguf mode's QuantEmbedding) looks the
+    rows up in its blocks."""
+    if isinstance(table, torch.Tensor):
+        return F.embedding(input_ids, table)
+    return table(input_ids)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm with an optional fused residual add.
 

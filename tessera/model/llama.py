@@ -10,13 +10,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tessera.attention.backend import AttentionBackend, get_attention_backend
 from tessera.attention.metadata import AttentionMetadata
 from tessera.config import ModelConfig
-from tessera.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, _empty_param, apply_rotary, linear
+from tessera.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, _empty_param, apply_rotary, embedding, linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -119,7 +118,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"got {len(kv_caches)} KV caches for a model with {len(self.layers)} layers")
         self.attn_backend.begin_step(attn_metadata)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = embedding(input_ids, self.embed_tokens)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn_metadata)

@@ -11,7 +11,11 @@ m + 8d): the codes are kept as they are, the scales are rounded from float16 to 
 kernel's format: a relative change of at most 2^-8 per block scale, far below the 4-bit step).
 Q8_0 keeps its int8 codes and float16 scales as they are and is dequantized in row tiles of about
 2 MiB into the activation dtype for each call (no int8 kernel with per-32 scales exists in torch).
-Tensors of other types (float ones, K-quants, Q5) keep the float weight the loader made.
+Q5_0, Q5_1, Q4_K, Q5_K and Q6_K tensors keep their file bytes and decode row tiles per call
+(gguf_kquant.py). A fused slot (qkv, gate_up) whose parts have different block types becomes a
+`ConcatLinear` of one layer per part. Float tensors keep the float weight the loader made.
+In gguf mode the lm_head is always built from the file's blocks (token_embd when tied), and the
+embedding lookup dequantizes only the rows it looks up (gguf_embedding.py).
 """
 
 from __future__ import annotations
@@ -22,13 +26,15 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from tessera.quant import native_gemv
+from tessera.quant.gguf_kquant import KQUANT_TYPES, GGUFBlockLinear
 from tessera.quant.int4 import Int4Linear
 from tessera.quant.linear import QuantLinear, tile_rows_for, tiled_matmul
 
 logger = logging.getLogger("tessera")
 
 BLOCK = 32
-NATIVE_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
+NATIVE_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0, *KQUANT_TYPES)
 _BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34}
 
 
@@ -69,10 +75,14 @@ def decode_q8_0(raw: np.ndarray, rows: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 class Q8_0Linear(QuantLinear):
-    """A GGUF Q8_0 weight: int8 codes with a float16 scale per 32, dequantized in tiles per call."""
+    """A GGUF Q8_0 weight: int8 codes with a float16 scale per 32. Decode-sized calls take the C++
+    GEMV (native_gemv.py) when it is built; others dequantize in tiles per call."""
 
     method = "gguf Q8_0"
-    kernels = ("dequant",)
+
+    @property
+    def kernels(self) -> tuple[str, ...]:  # "native" only where the C++ extension is built
+        return (("native",) if native_gemv.available() else ()) + ("dequant",)
 
     def __init__(self, codes: torch.Tensor, d: torch.Tensor) -> None:
         super().__init__(codes.shape[0], codes.shape[1])
@@ -88,18 +98,32 @@ class Q8_0Linear(QuantLinear):
         self._fill(0, self.out_features, w)
         return w
 
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight as float32 [*ids.shape, in_features], exactly as dequantize()."""
+        flat = ids.reshape(-1)
+        w = self.codes[flat].float().view(flat.numel(), -1, BLOCK).mul_(self.d[flat, :, None].float())
+        return w.view(*ids.shape, self.in_features)
+
     def select_kernel(self, num_rows: int) -> str:
+        if self.codes.device.type == "cpu" and num_rows <= native_gemv.NATIVE_MAX_ROWS and native_gemv.available():
+            return "native"
         return "dequant"
 
     def run_kernel(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+        if kernel == "native":
+            return native_gemv.gemv_q8_0(x, self.codes, self.d)
         if kernel != "dequant":
             raise ValueError(f"unknown Q8_0 kernel {kernel!r}; have {self.kernels}")
         return tiled_matmul(x, self.out_features, tile_rows_for(self.in_features), self._fill)
 
 
 def _decode(tensor) -> tuple | None:
-    """A GGUF tensor as ("int4", codes, scale, zero) or ("q8_0", codes, d); None if not native."""
+    """A GGUF tensor as ("int4", codes, scale, zero), ("q8_0", codes, d) or (type name, raw block
+    bytes uint8 [rows, bytes per row]); None if not native."""
     rows = int(np.prod(tensor.shape[1:]))  # GGUF lists dims innermost first
+    if tensor.tensor_type in KQUANT_TYPES:
+        raw = np.ascontiguousarray(tensor.data).view(np.uint8).reshape(rows, -1)
+        return (tensor.tensor_type.name, torch.from_numpy(raw.copy()))
     if tensor.tensor_type == Q.Q4_0:
         codes, d = decode_q4_0(tensor.data, rows)
         return ("int4", codes, d, torch.zeros_like(d))
@@ -111,7 +135,39 @@ def _decode(tensor) -> tuple | None:
     return None
 
 
+def _layer(kind: str, parts: list[torch.Tensor]) -> QuantLinear:
+    """One QuantLinear from decoded parts of one kind."""
+    if kind == "int4":
+        return Int4Linear.from_codes(*parts, group_size=BLOCK)
+    if kind == "q8_0":
+        return Q8_0Linear(*parts)
+    return GGUFBlockLinear(*parts, Q[kind])
+
+
+class ConcatLinear(QuantLinear):
+    """A fused weight whose parts (q, k, v or gate, up) have different GGUF block types: each part
+    runs its own kernel and the outputs are concatenated."""
+
+    kernels = ("parts",)
+
+    def __init__(self, parts: list[QuantLinear]) -> None:
+        super().__init__(sum(p.out_features for p in parts), parts[0].in_features)
+        self.parts = torch.nn.ModuleList(parts)
+        self.method = "+".join(p.method for p in parts)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def select_kernel(self, num_rows: int) -> str:
+        return "parts"
+
+    def run_kernel(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
 def _source_tensors(desc: str, tied: bool) -> list[str]:
+    if desc == "embed_tokens":
+        return ["token_embd.weight"]
     if desc == "lm_head":
         return ["token_embd.weight" if tied else "output.weight"]
     _, i, name = desc.split(".")
@@ -122,6 +178,12 @@ def _source_tensors(desc: str, tied: bool) -> list[str]:
         "down_proj": ["ffn_down"],
     }[name]
     return [f"blk.{i}.{p}.weight" for p in parts]
+
+
+def _count(tally: dict, kind: str, native: bool, nbytes: int) -> None:
+    entry = tally.setdefault((kind, native), [0, 0])
+    entry[0] += 1
+    entry[1] += nbytes
 
 
 def gguf_linears(model, model_files, descs: list[str]) -> dict[str, QuantLinear]:
@@ -138,14 +200,14 @@ def gguf_linears(model, model_files, descs: list[str]) -> dict[str, QuantLinear]
     unpermute = model_files.reader.fields["general.architecture"].contents() == "llama"
     heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
     layers: dict[str, QuantLinear] = {}
-    kept_float: dict[str, str] = {}
+    tally: dict[tuple[str, bool], list[int]] = {}  # (GGUF type, native) -> [tensors, bytes]
     for desc in descs:
         names = _source_tensors(desc, cfg.tie_word_embeddings)
         tensors = [model_files.tensors[n] for n in names]
-        kinds = {t.tensor_type for t in tensors}
         decoded = [_decode(t) for t in tensors]
-        if any(d is None for d in decoded) or len({d[0] for d in decoded}) != 1:
-            kept_float[desc] = "+".join(sorted(k.name for k in kinds))
+        if any(d is None for d in decoded):
+            for t in tensors:  # the loader's float weight, in the model dtype
+                _count(tally, t.tensor_type.name, False, int(np.prod(t.shape)) * model.dtype.itemsize)
             continue
         parts = []
         for name, d in zip(names, decoded, strict=True):
@@ -154,16 +216,20 @@ def gguf_linears(model, model_files, descs: list[str]) -> dict[str, QuantLinear]
             if unpermute and role in heads:  # undo llama.cpp's rope row order, as the loader does
                 part = tuple(unpermute_rope_rows(t, heads[role]) for t in part)
             parts.append(part)
-        fused = [torch.cat(ts) for ts in zip(*parts, strict=True)]
-        if decoded[0][0] == "int4":
-            layer = Int4Linear.from_codes(*fused, group_size=BLOCK)
+        kinds = {d[0] for d in decoded}
+        if len(kinds) == 1:
+            layer = _layer(decoded[0][0], [torch.cat(ts) for ts in zip(*parts, strict=True)])
         else:
-            layer = Q8_0Linear(*fused)
-        layer.method = "gguf " + "+".join(sorted(k.name for k in kinds))
+            layer = ConcatLinear([_layer(d[0], list(p)) for d, p in zip(decoded, parts, strict=True)])
+        layer.method = "gguf " + "+".join(sorted({t.tensor_type.name for t in tensors}))
         layers[desc] = layer
-    if kept_float:
-        kinds = sorted(set(kept_float.values()))
-        logger.warning("gguf: %d weight(s) of type(s) %s have no native kernel and stay float (native: %s)",
-                       len(kept_float), ", ".join(kinds), ", ".join(t.name for t in NATIVE_TYPES))
+        share = layer.weight_bytes() / sum(t.n_bytes for t in tensors)
+        for t in tensors:
+            _count(tally, t.tensor_type.name, True, int(t.n_bytes * share))
+    for (kind, native), (count, nbytes) in sorted(tally.items()):
+        log = logger.info if native else logger.warning
+        log("gguf: %d %s tensor(s) %s: %.1f MiB", count, kind,
+            "computed from their blocks" if native else f"dequantized to {model.dtype} (no native kernel)",
+            nbytes / 2**20)
     return layers
 

@@ -16,6 +16,9 @@ Kernels (measured on an AMD Zen 3 without AVX-512, one thread, weights cold in c
 - "int4pack": `aten._weight_int4pack_mm_for_cpu` with bf16 activations: 1.2-2x the float32 GEMM
   at M <= 4 (it reads half a byte per weight), slower from M = 16 on; float32 or float16
   activations are 10-100x slower (scalar code), so x goes in as bf16.
+- "native": the C++ AVX-512 GEMV (native_gemv.py) on the packed codes themselves, for
+  M <= NATIVE_MAX_ROWS when this torch packs 64-row blocks (its AVX-512 layout). Not chosen by
+  default: on a Sapphire Rapids-class Xeon it ran at 0.8-0.9x int4pack's speed at M = 1.
 - "dequant": unpack a tile of row blocks at a time into float and multiply it (see
   `_dequant_matmul`); for prefill-sized M the unpack is a small fraction of the GEMM.
 """
@@ -26,6 +29,7 @@ import functools
 
 import torch
 
+from tessera.quant import native_gemv
 from tessera.quant.linear import TILE_BYTES, QuantLinear, scratch, tile_rows_for, tiled_matmul
 
 # Largest M for which int4pack beats unpack + float32 GEMM (1.2-2.6x at M = 4, 0.7-0.8x at 16).
@@ -77,7 +81,10 @@ def packed_layout() -> int:
 
 class Int4Linear(QuantLinear):
     method = "int4"
-    kernels = ("int4pack", "dequant")
+
+    @property
+    def kernels(self) -> tuple[str, ...]:  # "native" only where the C++ extension is built
+        return (("native",) if native_gemv.available() else ()) + ("int4pack", "dequant")
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> None:
         """codes: uint8 [out, in] in 0..15; scale, zero: [out, in / group_size] (kernel convention)."""
@@ -143,10 +150,18 @@ class Int4Linear(QuantLinear):
         self._fill(0, self.padded_rows, w)
         return w[: self.out_features]
 
+    def native_ok(self) -> bool:
+        return (self.packed.device.type == "cpu" and packed_layout() == 64 and self.group_size % 16 == 0
+                and native_gemv.available())
+
     def select_kernel(self, num_rows: int) -> str:
+        # "native" is not chosen: measured slower than int4pack at M = 1 (docs/quantization.md).
         return "int4pack" if num_rows <= INT4PACK_MAX_ROWS else "dequant"
 
     def run_kernel(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+        if kernel == "native":
+            y = native_gemv.gemv_int4pack(x, self.packed, self.scales_zeros, self.group_size)
+            return y[:, : self.out_features] if self.padded_rows > self.out_features else y
         if kernel == "int4pack":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(torch.bfloat16), self.packed, self.group_size, self.scales_zeros

@@ -8,6 +8,8 @@ weights cold in cache; `benchmarks/quant.py --kernels` re-measures):
 - "int8pack": `aten._weight_int8pack_mm` with bf16 activations. It reads 1 byte per weight and is
   about 1.4x faster than the float32 GEMM at M = 1, but loses from M = 16 on (bf16 arithmetic is
   emulated on this CPU). Fed float32 activations it is 5-10x slower still, so x goes in as bf16.
+- "native": the C++ AVX-512 GEMV (native_gemv.py) for M <= NATIVE_MAX_ROWS, reading the int8 codes
+  once and converting them in registers; taken whenever it is built.
 - "dequant": convert the codes to the activation dtype tile by tile (tiled_matmul) and run the
   float GEMM on each tile, scaling the output columns: the float32 GEMM's speed plus one
   conversion pass over the weight.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from tessera.quant import native_gemv
 from tessera.quant.linear import QuantLinear, tile_rows_for, tiled_matmul
 
 # Largest M for which int8pack beats dequantize + float32 GEMM (measured 1.2-1.9x at M = 4,
@@ -30,7 +33,10 @@ def round_to_bf16(t: torch.Tensor) -> torch.Tensor:
 
 class Int8Linear(QuantLinear):
     method = "int8"
-    kernels = ("int8pack", "dequant")
+
+    @property
+    def kernels(self) -> tuple[str, ...]:  # "native" only where the C++ extension is built
+        return (("native",) if native_gemv.available() else ()) + ("int8pack", "dequant")
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
         """qweight: int8 [out, in]; scale: [out], representable in bfloat16."""
@@ -51,11 +57,16 @@ class Int8Linear(QuantLinear):
         return self.qweight.float() * self.scale[:, None]
 
     def select_kernel(self, num_rows: int) -> str:
-        if self.qweight.device.type == "cpu" and num_rows <= INT8PACK_MAX_ROWS:
+        cpu = self.qweight.device.type == "cpu"
+        if cpu and num_rows <= native_gemv.NATIVE_MAX_ROWS and native_gemv.available():
+            return "native"
+        if cpu and num_rows <= INT8PACK_MAX_ROWS:
             return "int8pack"
         return "dequant"
 
     def run_kernel(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+        if kernel == "native":
+            return native_gemv.gemv_int8(x, self.qweight, self.scale)
         if kernel == "int8pack":
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale_bf16)
             return y.to(x.dtype)

@@ -73,14 +73,16 @@ class QuantLinear(nn.Module, ABC):
 # small enough to stay in cache between being written and being multiplied, large enough that
 # the few tensor ops per tile cost little next to the tile's GEMM.
 TILE_BYTES = 2 << 20
-_scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+_scratch: dict[tuple[torch.dtype, torch.device, bool], torch.Tensor] = {}
 
 
 def scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A reused flat buffer of at least `numel` elements. Fresh multi-megabyte allocations are
     returned to the OS on free, and faulting their pages back in cost more than the dequantization
     itself (0.6 ms vs 0.2 ms to convert 1.8M int8 weights)."""
-    key = (dtype, device)
+    # One buffer per inference-mode state: a buffer made under inference mode cannot be written
+    # outside it (a kernel called directly after a model forward, as tests do).
+    key = (dtype, device, torch.is_inference_mode_enabled())
     buf = _scratch.get(key)
     if buf is None or buf.numel() < numel:
         buf = _scratch[key] = torch.empty(numel, dtype=dtype, device=device)
@@ -186,18 +188,25 @@ def quantize_model(
         raise ValueError("--sparsity 2:4 cannot be combined with --quantization gguf: use none, int8, int4 or w8a8")
     if method == "none" and sparsity == "none":
         return model
+    if method == "gguf":  # the lm_head computes from the file's own blocks: no loss to ask for
+        quantize_lm_head = True
     slots = linear_weight_slots(model, quantize_lm_head)
     if sparsity != "none":
         _prune(slots, method)
         if method == "none":
             return model
     if method == "gguf":
+        from tessera.quant.gguf_embedding import QuantEmbedding
         from tessera.quant.gguf_native import gguf_linears
 
-        layers = gguf_linears(model, model_files, [desc for _, _, desc in slots])
+        tied = model.config.tie_word_embeddings
+        layers = gguf_linears(model, model_files, [desc for _, _, desc in slots] + ([] if tied else ["embed_tokens"]))
         for owner, name, desc in slots:
             if desc in layers:  # block types without a native kernel keep their float weight
                 replace_weight(owner, name, layers[desc])
+        table = layers.get("lm_head" if tied else "embed_tokens")
+        if table is not None:  # look tokens up in the blocks; the float table is freed
+            replace_weight(model, "embed_tokens", QuantEmbedding(table, model.dtype))
     else:
         quantize = _quantizers()[method]
         layers = {}

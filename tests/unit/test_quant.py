@@ -9,6 +9,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from tessera.quant import native_gemv
 from tessera.quant.gguf_native import Q8_0Linear, decode_q4_0, decode_q4_1, decode_q8_0
 from tessera.quant.int4 import Int4Linear, _pack_codes_for_kernel, packed_layout, unpack_codes
 from tessera.quant.int8 import Int8Linear
@@ -143,7 +144,7 @@ def test_bias_and_leading_dims():
 
 def test_kernel_selection_by_rows():
     w = weight(96, 64)
-    assert Int8Linear.from_float(w).select_kernel(1) == "int8pack"
+    assert Int8Linear.from_float(w).select_kernel(1) == ("native" if native_gemv.available() else "int8pack")
     assert Int8Linear.from_float(w).select_kernel(256) == "dequant"
     assert Int4Linear.from_float(w, 32).select_kernel(1) == "int4pack"
     assert Int4Linear.from_float(w, 32).select_kernel(256) == "dequant"

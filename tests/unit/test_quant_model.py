@@ -121,7 +121,8 @@ def test_gguf_native_model_matches_the_dequantized_file(tiny_model_dir, tmp_path
     model = load(path, "gguf", quantize_lm_head=True)
     kinds = {m.method for m in model.modules() if isinstance(m, QuantLinear)}
     assert kinds == {f"gguf {qtype.name}"}
-    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 4 * model.config.num_layers + 1
+    # The layers, the lm_head and (untied) the token_embd rows behind the embedding lookup.
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 4 * model.config.num_layers + 2
     want = logits(ref, PROMPT)
     got = logits(model, PROMPT)
     if qtype == Q.Q8_0:  # the file's own codes and scales, dequantized exactly per call

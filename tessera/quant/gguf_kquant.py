@@ -1,0 +1,146 @@
+"""GGUF Q5_0, Q5_1, Q4_K, Q5_K and Q6_K weights kept as the file's own block bytes, decoded per tile.
+
+`GGUFBlockLinear` holds a tensor's raw blocks (uint8 [rows, bytes per row], exactly the file's
+bytes: the memory the file takes, no float copy) and computes x @ W.T by decoding row tiles
+into the activation dtype (`tiled_matmul`). The decoders below are torch transcriptions of the
+`gguf` package's numpy `dequantize_blocks`, with the same float32 operations in the same order,
+so `decode_rows` equals `gguf.quants.dequantize` bit for bit (tests/unit/test_gguf_kquant.py).
+
+Block formats (d, dmin, m float16; QK = 256 weights per K-quant super-block):
+- Q5_0, 22 bytes / 32: d, qh (32 high bits, little-endian uint32), qs (16 bytes of low
+  nibbles: weight j low, j + 16 high); W = d * (q - 16), q = low | high << 4.
+- Q5_1, 24 bytes / 32: d, m, qh, qs; W = d * q + m.
+- Q4_K, 144 bytes / 256: d, dmin, 12 bytes of eight 6-bit scales and mins, 128 bytes of
+  nibbles (32-weight sub-block 2i in the low nibbles of bytes 32i..32i+31, 2i + 1 in the high);
+  W = (d * sc) * q - dmin * mn per sub-block.
+- Q5_K, 176 bytes / 256: d, dmin, scales, 32 bytes of high bits (bit i of byte j: sub-block i,
+  weight j), 128 bytes of nibbles as Q4_K; W as Q4_K with q = low | high << 4.
+- Q6_K, 210 bytes / 256: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales
+  (one per 16 weights), d; W = (d * scale) * (q - 32).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.constants import GGML_QUANT_SIZES
+
+from tessera.quant.linear import QuantLinear, tile_rows_for, tiled_matmul
+
+KQUANT_TYPES = (Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """[..., 2] bytes -> float32 [..., 1]."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _shifts(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.uint8)
+
+
+def _q5_codes(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """qh [R, nb, 4] bytes, qs [R, nb, 16] -> 5-bit codes int16 [R, nb, 32]."""
+    high = (qh.contiguous().view(torch.int32) >> torch.arange(32, dtype=torch.int32)) & 1  # [R, nb, 32]
+    low = torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+    return low.to(torch.int16) | (high.to(torch.int16) << 4)
+
+
+def _decode_q5_0(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b[..., 0:2])
+    return d * (_q5_codes(b[..., 2:6], b[..., 6:22]) - 16).float()
+
+
+def _decode_q5_1(b: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    return d * _q5_codes(b[..., 4:8], b[..., 8:24]).float() + m
+
+
+def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: (d * sc, dmin * mn), each float32 [R, nb, 8, 1]."""
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    s = b[..., 4:16].reshape(*b.shape[:-1], 3, 4)
+    lo, mid, top = s[..., 0, :], s[..., 1, :], s[..., 2, :]
+    sc = torch.cat([lo & 0x3F, (top & 0x0F) | ((lo >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([mid & 0x3F, (top >> 4) | ((mid >> 2) & 0x30)], dim=-1)
+    return (d * sc.float())[..., None], (dmin * mn.float())[..., None]
+
+
+def _nibble_subblocks(qs: torch.Tensor) -> torch.Tensor:
+    """[R, nb, 128] bytes -> 4-bit codes uint8 [R, nb, 8, 32] (per 32 bytes: low, then high)."""
+    q = qs.reshape(*qs.shape[:-1], 4, 1, 32) >> _shifts(0, 4).view(2, 1)
+    return (q & 0x0F).reshape(*qs.shape[:-1], 8, 32)
+
+
+def _decode_q4_k(b: torch.Tensor) -> torch.Tensor:
+    scale, offset = _k_scales(b)
+    return scale * _nibble_subblocks(b[..., 16:144]).float() - offset
+
+
+def _decode_q5_k(b: torch.Tensor) -> torch.Tensor:
+    scale, offset = _k_scales(b)
+    qh = b[..., 16:48].reshape(*b.shape[:-1], 1, 32) >> torch.arange(8, dtype=torch.uint8).view(8, 1)
+    q = _nibble_subblocks(b[..., 48:176]) | ((qh & 1) << 4)
+    return scale * q.float() - offset
+
+
+def _decode_q6_k(b: torch.Tensor) -> torch.Tensor:
+    lead = b.shape[:-1]
+    scales = b[..., 192:208].contiguous().view(torch.int8).float()
+    d = (_f16(b[..., 208:210]) * scales).reshape(*lead, 16, 1)
+    ql = (b[..., 0:128].reshape(*lead, 2, 1, 64) >> _shifts(0, 4).view(2, 1)) & 0x0F
+    qh = (b[..., 128:192].reshape(*lead, 2, 1, 32) >> _shifts(0, 2, 4, 6).view(4, 1)) & 0x03
+    q = ql.reshape(*lead, 8, 32).to(torch.int8) | (qh.reshape(*lead, 8, 32).to(torch.int8) << 4)
+    return d * (q - 32).reshape(*lead, 16, 16).float()
+
+
+_DECODERS = {Q.Q5_0: _decode_q5_0, Q.Q5_1: _decode_q5_1, Q.Q4_K: _decode_q4_k, Q.Q5_K: _decode_q5_k,
+             Q.Q6_K: _decode_q6_k}
+
+
+def decode_rows(raw: torch.Tensor, qtype: Q) -> torch.Tensor:
+    """Raw block bytes uint8 [R, bytes per row] of a KQUANT_TYPES tensor -> float32 [R, K]."""
+    block, nbytes = GGML_QUANT_SIZES[qtype]
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, nbytes)
+    return _DECODERS[qtype](blocks).reshape(rows, blocks.shape[1] * block)
+
+
+class GGUFBlockLinear(QuantLinear):
+    """A GGUF weight of a KQUANT_TYPES block type, kept as its file bytes, decoded per row tile."""
+
+    kernels = ("dequant",)
+
+    def __init__(self, raw: torch.Tensor, qtype: Q) -> None:
+        block, nbytes = GGML_QUANT_SIZES[qtype]
+        if qtype not in _DECODERS:
+            raise ValueError(f"no block decoder for GGUF type {qtype.name}; have {', '.join(t.name for t in _DECODERS)}")
+        rows, row_bytes = raw.shape
+        super().__init__(rows, row_bytes // nbytes * block)
+        self.qtype = qtype
+        self.method = f"gguf {qtype.name}"
+        self.register_buffer("raw", raw.contiguous())
+
+    @classmethod
+    def from_gguf(cls, data: np.ndarray, qtype: Q, rows: int) -> GGUFBlockLinear:
+        raw = np.ascontiguousarray(data).view(np.uint8).reshape(rows, -1)
+        return cls(torch.from_numpy(raw.copy()), qtype)
+
+    def _fill(self, start: int, end: int, tile: torch.Tensor) -> None:
+        tile.copy_(decode_rows(self.raw[start:end], self.qtype))
+
+    def dequantize(self) -> torch.Tensor:
+        return decode_rows(self.raw, self.qtype)
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return decode_rows(self.raw[ids.reshape(-1)], self.qtype).reshape(*ids.shape, self.in_features)
+
+    def select_kernel(self, num_rows: int) -> str:
+        return "dequant"
+
+    def run_kernel(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+        if kernel != "dequant":
+            raise ValueError(f"unknown {self.method} kernel {kernel!r}; have {self.kernels}")
+        # A decode tile is built from several temporaries per element: keep tiles a quarter size.
+        return tiled_matmul(x, self.out_features, max(1, tile_rows_for(self.in_features) // 4), self._fill)

@@ -1,0 +1,83 @@
+"""The C++ decode GEMV kernels (csrc/gemv.cpp) for int8, int4 and GGUF Q8_0 weights: loading and calling.
+
+At batch 1..NATIVE_MAX_ROWS a decode step is a GEMV that only has to read each weight once; the
+torch kernels either dequantize to a float tile first (a write and a re-read of 4 bytes per
+weight) or run scalar code. These kernels read the stored codes and dequantize in registers.
+They need x86-64 with AVX-512 (checked at run time) and a C++ compiler (built at first use,
+cached; tessera/native.py); when either is missing `available()` is False and the QuantLinear
+classes keep their torch kernels. Ops: torch.ops.tessera_gemv.{int8, q8_0, int4pack}, with fake
+(meta) kernels so torch.compile can trace through them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from tessera.native import load_extension
+
+# Up to this many activation rows the kernels beat the torch ones (benchmarks/quant.py --kernels).
+NATIVE_MAX_ROWS = 8
+# How far ahead of the weight being read the kernels prefetch, and into which cache (tuning knobs;
+# 4096 bytes into L1: the best of 1, 4 and 16 KiB; an L2 hint was no better, on the development Xeon).
+PREFETCH_BYTES = int(os.environ.get("TESSERA_GEMV_PREFETCH", "4096"))
+PREFETCH_HINT = os.environ.get("TESSERA_GEMV_PREFETCH_HINT", "_MM_HINT_T0")
+_SOURCES = (Path(__file__).parent / "csrc" / "gemv.cpp",)
+
+
+def cpu_supported() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX")
+
+
+@functools.cache
+def available() -> bool:
+    """True when the kernels are built and loaded on a CPU that can run them."""
+    defines = (f"PREFETCH_BYTES={PREFETCH_BYTES}", f"PREFETCH_HINT={PREFETCH_HINT}")
+    if not cpu_supported() or not load_extension("tessera_gemv", _SOURCES, defines):
+        return False
+    _register_fakes()
+    return True
+
+
+def _register_fakes() -> None:
+    def out(x: torch.Tensor, rows: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], rows)
+
+    torch.library.register_fake("tessera_gemv::int8")(lambda x, q, scale: out(x, q.shape[0]))
+    torch.library.register_fake("tessera_gemv::q8_0")(lambda x, codes, d: out(x, codes.shape[0]))
+    torch.library.register_fake("tessera_gemv::int4pack")(lambda x, packed, sz, group: out(x, sz.shape[1]))
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether a call with activations x can take a native kernel."""
+    return x.device.type == "cpu" and x.shape[0] <= NATIVE_MAX_ROWS and available()
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float32).contiguous()
+
+
+def _by_chunks(op, x: torch.Tensor, *args) -> torch.Tensor:
+    """The op on x in chunks of at most NATIVE_MAX_ROWS rows (the kernels' register budget)."""
+    x = _f32(x)
+    if x.shape[0] <= NATIVE_MAX_ROWS:
+        return op(x, *args)
+    return torch.cat([op(c.contiguous(), *args) for c in x.split(NATIVE_MAX_ROWS)])
+
+
+def gemv_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (scale[:, None] * q).T in x's dtype (float32 accumulation)."""
+    return _by_chunks(torch.ops.tessera_gemv.int8, x, q, scale).to(x.dtype)
+
+
+def gemv_q8_0(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ W.T for a Q8_0 weight (int8 codes [N, K], float16 d [N, K / 32])."""
+    return _by_chunks(torch.ops.tessera_gemv.q8_0, x, codes, d).to(x.dtype)
+
+
+def gemv_int4pack(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group: int) -> torch.Tensor:
+    """x [M, K] @ W.T for an int4 weight in torch's 64-row packed layout -> [M, padded rows]."""
+    return _by_chunks(torch.ops.tessera_gemv.int4pack, x, packed, scales_zeros, group).to(x.dtype)
