@@ -15,7 +15,7 @@ import tempfile
 
 import torch
 
-from tests.differential.case import Case
+from tests.differential.case import CHOICES, Case
 from tests.differential.execute import Context, run_case
 from tests.differential.fuzz import fuzz
 
@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=None, help="stop after this many seconds")
     ap.add_argument("--seed", type=int, default=None, help="the run's seed (default: random, printed)")
     ap.add_argument("--dtype", default="float32", help="the model dtype: float32 or bfloat16")
-    ap.add_argument("--no-quant", action="store_true", help="never vary --quantization or --kv-cache-dtype")
+    ap.add_argument("--only", action="append", default=[], metavar="FEATURE=V1,V2",
+                    help="draw FEATURE only from these values, e.g. quantization=none,w8a8 (repeatable)")
     ap.add_argument("--max-shrinks", type=int, default=6, help="distinct failures to shrink and print")
     ap.add_argument("--model-dir", default=None, help="a model folder (default: the tiny random model)")
     ap.add_argument("--replay", default=None, help="a case's JSON, as a failure printed it")
@@ -50,10 +51,24 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if outcome.failures else 0
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     print(f"seed {seed} (reproduce: python -m tests.differential --seed {seed} --dtype {args.dtype} ...)", flush=True)
-    report = fuzz(ctx, seed, cases=args.cases, budget_s=args.budget_s, quantized=not args.no_quant,
+    choices = {}
+    for spec in args.only:
+        name, _, values = spec.partition("=")
+        if name not in CHOICES:
+            ap.error(f"--only {spec}: unknown feature {name!r}; features: {', '.join(CHOICES)}")
+        choices[name] = [_parse(v, CHOICES[name]) for v in values.split(",")]
+    report = fuzz(ctx, seed, cases=args.cases, budget_s=args.budget_s, choices=choices,
                   max_shrinks=args.max_shrinks, progress=lambda s: print(s, file=sys.stderr, flush=True))
     print(report.format())
     return 1 if report.failures else 0
+
+
+def _parse(value: str, allowed: list):
+    """A feature value as its type in CHOICES ("8" -> 8, "True" -> True)."""
+    for a in allowed:
+        if str(a) == value:
+            return a
+    raise SystemExit(f"--only: {value!r} is not one of {allowed}")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ CHOICES = dict(
     num_spec_tokens=[1, 2, 4, 6],
     spec_adaptive=[True, False],
     handoff=[False, True],
-    kv_cache_dtype=["auto", "int8"],
+    kv_cache_dtype=["auto", "int8", "fp8"],
     quantization=["none", "int8", "int4", "w8a8"],
 )
 # The longest prompt + output a case makes stays well inside the tiny model's 512 positions.
@@ -97,22 +97,21 @@ class Case:
         return replace(self, features=replace(self.features, **changes))
 
 
-def random_features(rng: random.Random, quantized: bool = True) -> Features:
+def random_features(rng: random.Random, choices: dict[str, list] | None = None) -> Features:
     """A random feature set; about a third of cases keep each optional feature at its plain value,
-    so that features are seen alone as well as together. quantized=False keeps kv and weights
-    in the model dtype."""
+    so that features are seen alone as well as together. `choices` narrows CHOICES per feature
+    (e.g. {"quantization": ["none"]})."""
+    choices = CHOICES | (choices or {})
     f = Features()
     for name in (f.name for f in fields(Features)):
-        if name in ("kv_cache_dtype", "quantization") and not quantized:
-            continue
         if rng.random() < 0.6:
-            setattr(f, name, rng.choice(CHOICES[name]))
+            setattr(f, name, rng.choice(choices[name]))
     if f.swap_space and rng.random() < 0.5:
         # The host tier only acts under pressure: a tiny pool makes swaps and demotions happen.
         f.pool, f.preemption = "tiny", rng.choice(["swap", "swap", "auto"])
     if not f.swap_space and f.preemption != "recompute":
         f.preemption = "recompute"  # swap/auto without a host pool is a config error
-    if f.spec != "off" and rng.random() < 0.5:
+    if f.spec != "off" and rng.random() < 0.5 and "none" in choices["quantization"]:
         f.quantization = "none"  # speculation with quantized weights is rarer in practice
     return f
 
@@ -144,11 +143,11 @@ def random_params(rng: random.Random, vocab: int) -> dict:
     return p
 
 
-def random_case(seed: int, vocab: int, quantized: bool = True) -> Case:
+def random_case(seed: int, vocab: int, choices: dict[str, list] | None = None) -> Case:
     """Features and 1-10 requests: prompts built from a few shared prefixes (some exactly a block
     long or a duplicate of another prompt), staggered arrivals, some aborted partway."""
     rng = random.Random(seed)
-    features = random_features(rng, quantized)
+    features = random_features(rng, choices)
     stems = [[rng.randrange(vocab) for _ in range(rng.choice([4, 8, 16, 17, 32, 48, 80]))]
              for _ in range(rng.randint(1, 3))]
     requests: list[Request] = []

@@ -242,7 +242,7 @@ def _describe_mismatch(ctx: Context, f: Features, r: Request, got: CompletionOut
     """Where the tokens part, and how close the reference's logprobs of the two tokens were
     there: a near tie points at numerics, a wide gap at a bug."""
     a, b = got.token_ids, ref.token_ids
-    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
     msg = (f"sample {got.index}: first difference at output token {at}: got {a[at:at + 4]} "
            f"(finish {got.finish_reason}), alone {b[at:at + 4]} (finish {ref.finish_reason}); "
            f"prompt {len(r.prompt)} tokens, params {r.params}")

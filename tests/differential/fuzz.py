@@ -71,7 +71,8 @@ def add_stop_strings(ctx: Context, case: Case, rng: random.Random, probability: 
             r.params["include_stop_str_in_output"] = rng.random() < 0.5
 
 
-def fuzz(ctx: Context, seed: int, cases: int | None = None, budget_s: float | None = None, quantized: bool = True,
+def fuzz(ctx: Context, seed: int, cases: int | None = None, budget_s: float | None = None,
+         choices: dict[str, list] | None = None,
          max_shrinks: int = 6, stop_after_failure: bool = False, progress=None) -> Report:
     """Run `cases` cases, or as many as fit in budget_s seconds (shrinking included)."""
     report = Report(seed=seed, dtype=ctx.dtype)
@@ -83,7 +84,7 @@ def fuzz(ctx: Context, seed: int, cases: int | None = None, budget_s: float | No
         if budget_s is not None and time.monotonic() - start > budget_s:
             break
         case_seed = seed * 1_000_003 + i
-        case = random_case(case_seed, ctx.vocab, quantized)
+        case = random_case(case_seed, ctx.vocab, choices)
         add_stop_strings(ctx, case, random.Random(case_seed + 1))
         outcome = run_case(ctx, case)
         report.cases += 1
