@@ -40,13 +40,15 @@ class SequenceTextState:
     def append_token(self, token_id: int, eos_token_ids: set[int], max_model_len: int) -> SequenceStatus | None:
         """Record a sampled token; return the finished status if the sequence is done."""
         self.seq.output_token_ids.append(token_id)
+        new_from = len(self.text)
         self.text += self.detokenizer.append([token_id])
-        status = self._check_finished(token_id, eos_token_ids, max_model_len)
+        status = self._check_finished(token_id, eos_token_ids, max_model_len, new_from)
         if status is not None and not isinstance(self.stop_reason, str):
             self.text += self.detokenizer.flush()  # release an incomplete character at the very end
         return status
 
-    def _check_finished(self, token_id: int, eos_token_ids: set[int], max_model_len: int) -> SequenceStatus | None:
+    def _check_finished(self, token_id: int, eos_token_ids: set[int], max_model_len: int,
+                        new_from: int) -> SequenceStatus | None:
         seq = self.seq
         params = seq.sampling_params
         num_out = seq.num_output_tokens
@@ -56,7 +58,7 @@ class SequenceTextState:
         if past_min and token_id in (params.stop_token_ids or ()):
             self.stop_reason = token_id
             return SequenceStatus.FINISHED_STOPPED
-        if past_min and self.stop_strings and self._check_stop_strings():
+        if past_min and self.stop_strings and self._check_stop_strings(new_from):
             return SequenceStatus.FINISHED_STOPPED
         if params.max_tokens is not None and num_out >= params.max_tokens:
             return SequenceStatus.FINISHED_LENGTH
@@ -64,12 +66,12 @@ class SequenceTextState:
             return SequenceStatus.FINISHED_LENGTH
         return None
 
-    def _check_stop_strings(self) -> bool:
-        # Only the tail can hold a new match: search from just before the unreleased text.
-        longest = max(len(s) for s in self.stop_strings)
-        search_from = max(0, self.emitted - longest)
+    def _check_stop_strings(self, new_from: int) -> bool:
+        # Only a match that ends in the text this token added counts (text from new_from on):
+        # an earlier one was either checked already or came before min_tokens, when stop
+        # strings do not apply (and may have been streamed already).
         for stop in self.stop_strings:
-            at = self.text.find(stop, search_from)
+            at = self.text.find(stop, max(0, new_from - len(stop) + 1))
             if at != -1:
                 keep = at + len(stop) if self.seq.sampling_params.include_stop_str_in_output else at
                 self.text = self.text[:keep]

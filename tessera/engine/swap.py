@@ -234,8 +234,15 @@ class HostKVCache:
         dst_ids = torch.tensor(dst_blocks, dtype=torch.long, device=dst_dev)
         for src_layer, dst_layer in zip(src_caches, dst_caches, strict=True):
             for src, dst in zip(src_layer, dst_layer, strict=True):
+                src, dst = _raw(src), _raw(dst)
                 blocks = src.view(-1, bs, *src.shape[1:]).index_select(0, src_ids)
                 dst.view(-1, bs, *dst.shape[1:]).index_copy_(0, dst_ids, blocks.to(dst_dev))
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache's bytes as uint8 (--kv-cache-dtype fp8): CPU index_copy_ has no float8 kernel,
+    and a block copy moves bytes anyway."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
 
 
 @dataclass(frozen=True)

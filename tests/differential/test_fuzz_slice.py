@@ -1,0 +1,31 @@
+"""The CI slice of the differential fuzzer: ~60 s of random cases in float32 on the tiny model.
+
+Each run draws a new seed and prints it; rerun a failure with TESSERA_FUZZ_SEED=S (and the
+printed minimal case with `python -m tests.differential --replay 'JSON'`). TESSERA_FUZZ_SECONDS
+sets the budget. The long run is `python -m tests.differential --cases 2000`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+from tests.differential.case import CHOICES
+from tests.differential.execute import Context
+from tests.differential.fuzz import fuzz
+
+# int8 and int4 weights pick their kernel by the number of rows (bf16 int8pack/int4pack for <= 8
+# rows, a dequantized GEMM above), so their tokens depend on the batch even in float32: left out
+# here until that is fixed (see docs/reproducibility.md); the long run still draws them.
+CI_CHOICES = {"quantization": [q for q in CHOICES["quantization"] if q not in ("int8", "int4")]}
+
+
+def test_differential_fuzz_slice(tiny_model_dir):
+    seed = int(os.environ.get("TESSERA_FUZZ_SEED", random.randrange(2**31)))
+    budget = float(os.environ.get("TESSERA_FUZZ_SECONDS", "60"))
+    print(f"differential fuzz seed {seed} (rerun: TESSERA_FUZZ_SEED={seed})")
+    report = fuzz(Context(tiny_model_dir, "float32"), seed, budget_s=budget, choices=CI_CHOICES, max_shrinks=1,
+                  stop_after_failure=True)
+    print(report.format())
+    assert report.cases > 0
+    assert not report.failures, f"seed {seed}:\n{report.format()}"
