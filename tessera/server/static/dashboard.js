@@ -35,7 +35,9 @@ function svgEl(name, attrs, parent) {
 
 function fmt(v, unit) {
   if (v === null || v === undefined) return "-";
-  if (unit === "%" || Math.abs(v) < 10) return v.toFixed(v === Math.round(v) ? 0 : 1);
+  if (v === Math.round(v) && Math.abs(v) < 1e4) return String(v);
+  if (Math.abs(v) < 1) return v.toFixed(2);
+  if (unit === "%" || Math.abs(v) < 10) return v.toFixed(1);
   return Math.round(v).toLocaleString("en-US");
 }
 
@@ -126,8 +128,10 @@ function renderCharts(stats, marks) {
       [label, (s[key] || t.map(() => null)).map((v) => (v === null ? null : v * scale))]);
     drawChart(fig, t, lines, spec, marks);
   }
-  $("#window-note").textContent = `Charts: the last ${Math.round((t.length ? t[t.length - 1] - t[0] : 0) / 60)} `
-    + `min; rates and percentiles over sliding ${stats.window_s} s windows, sampled every ${stats.interval_s} s.`;
+  const span = t.length ? t[t.length - 1] - t[0] : 0;
+  const spanText = span < 120 ? `${Math.round(span)} s` : `${Math.round(span / 60)} min`;
+  $("#window-note").textContent = `Charts: the last ${spanText}; rates and percentiles over sliding `
+    + `${stats.window_s} s windows, sampled every ${stats.interval_s} s.`;
 }
 
 function renderDecisions(decisions, t0, t1) {
@@ -168,7 +172,8 @@ function renderConfig(config) {
   for (const k of keys) {
     if (k === "extra" && !Object.keys(started[k] || {}).length) continue;
     const tr = document.createElement("tr");
-    const a = k in started ? JSON.stringify(started[k]) : "", b = k in live ? JSON.stringify(live[k]) : "";
+    const show = (v) => (typeof v === "string" ? v : JSON.stringify(v));
+    const a = k in started ? show(started[k]) : "", b = k in live ? show(live[k]) : "";
     if (a && b && a !== b) tr.className = "changed";
     for (const text of [k, a, b || a]) {
       const td = document.createElement("td");
