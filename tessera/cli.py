@@ -1,4 +1,4 @@
-"""The `tessera` command: serve | generate | bench (load | serve)."""
+"""The `tessera` command: serve | generate | bench (throughput | latency | serve | load)."""
 
 from __future__ import annotations
 
@@ -81,14 +81,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _add_bench_commands(sub) -> None:
-    """`tessera bench load` (tessera.bench.load) and `tessera bench serve` (tessera.bench.serve)."""
+    """`tessera bench load` (tessera.bench.load), `serve` (tessera.bench.serve), `throughput` and
+    `latency` (tessera.bench.offline)."""
     from tessera.bench import load
 
-    bench = sub.add_parser("bench", help="load generators and benchmarks against a running server")
+    bench = sub.add_parser("bench", help="benchmarks: offline (throughput, latency) and against a running server (serve, load)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     load_parser = bench_sub.add_parser("load", help="bounded load with disconnects; checks every stream")
     load.add_arguments(load_parser)
     load_parser.set_defaults(func=lambda args: load.exit_code(load.run(args)))
+    from tessera.bench.offline import add_offline_commands
+
+    add_offline_commands(bench_sub)  # throughput, latency: the offline engine
 
     def serve_bench(rest: list[str]) -> dict:
         from tessera.bench import serve
