@@ -86,9 +86,18 @@ def run_requests(engine, requests: list[BenchRequest], tag: str) -> RunTrace:
 
 
 def _machine() -> dict:
+    """The CPU to name next to the figures: its model, and the bf16/AMX flags that change them."""
     import torch
 
-    return {"processor": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads()}
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        name = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
+        flags = set(next(line for line in info.splitlines() if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        pass
+    extras = [f for f in ("avx512_bf16", "amx_bf16", "amx_int8") if f in flags]
+    return {"processor": name + (f" ({', '.join(extras)})" if extras else ""), "torch_threads": torch.get_num_threads()}
 
 
 # ---- throughput ----------------------------------------------------------------------------------
