@@ -12,22 +12,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import time
 from pathlib import Path
 
 import torch
 
 from tessera import LLM, SamplingParams
+from tessera.bench.datasets import random_token_prompts
 from tessera.config import DEFAULT_MODEL, resolve_dtype
 
 KERNEL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
               "aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::baddbmm")
 
 
-def make_prompts(n: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, vocab - 100) for _ in range(input_len)] for _ in range(n)]
+# The prompts of `tessera bench throughput --dataset-name random` (one definition of "random prompts").
+make_prompts = random_token_prompts
 
 
 def run_tessera(llm: LLM, prompts: list[list[int]], output_len: int) -> float:

@@ -1,4 +1,4 @@
-"""The `tessera` command: serve | generate | quality | profile | advise | bench (load | serve).
+"""The `tessera` command: serve | generate | quality | profile | advise | bench (throughput | latency | serve | load).
 
 A user's mistake ends in one line on stderr, `tessera: error: ...`, and exit code 2 for a usage
 error (a flag or argument) or 1 for a runtime one (a missing model, a busy port); `--debug` or
@@ -172,6 +172,9 @@ def _add_bench_commands(sub, subs: dict) -> None:
                                                                          "every stream")
     load.add_arguments(load_parser)
     load_parser.set_defaults(func=lambda args: load.exit_code(load.run(args)))
+    from tessera.bench.offline import add_offline_commands
+
+    add_offline_commands(bench_sub)  # throughput, latency: the offline engine
 
     def serve_bench(rest: list[str]) -> dict:
         from tessera.bench import serve

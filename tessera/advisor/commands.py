@@ -23,7 +23,8 @@ def add_advisor_commands(sub) -> None:
     _add_common(adv)
     adv.add_argument("-o", "--output", default="tessera-config.json",
                      help="the configuration file to write (.json, or .yaml/.yml)")
-    adv.add_argument("--report", default=None, help="also write a markdown report here (plots with matplotlib)")
+    adv.add_argument("--report", default=None, help="also write a report here: markdown (.md), or one HTML page with its plots inlined (.html); "
+                          "plots need matplotlib (the plots extra)")
     adv.add_argument("--json", dest="json_out", default=None, help="also write the profile and decisions as JSON")
     adv.set_defaults(func=cmd_advise)
 
@@ -105,7 +106,12 @@ def cmd_advise(args: argparse.Namespace) -> int:
     print(f"\nwrote {args.output}: tessera serve {args.model} --config {args.output}")
     if args.report:
         report = Path(args.report)
-        report.write_text(render_report(profile, advice, report.parent / (report.stem + "_plots")))
+        text = render_report(profile, advice, report.parent / (report.stem + "_plots"))
+        if report.suffix.lower() in (".html", ".htm"):
+            from tessera.advisor.report import markdown_to_html
+
+            text = markdown_to_html(text, report.parent, title=f"Tessera workload report: {args.trace}")
+        report.write_text(text)
         print(f"wrote {args.report}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"profile": profile.to_json(), **advice.to_json()}, indent=2))

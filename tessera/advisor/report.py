@@ -1,9 +1,14 @@
-"""The markdown report of `tessera advise --report`: the decisions, then each stage's figures as
-tables; with matplotlib installed (the `plots` extra), PNG plots beside it."""
+"""The report of `tessera advise --report`: the decisions, then each stage's figures as tables;
+with matplotlib installed (the `plots` extra), PNG plots beside it. A .html path gets the same
+report as one self-contained HTML page (the `markdown` package, also in the plots extra), its
+plots inlined, so it opens anywhere offline."""
 
 from __future__ import annotations
 
+import base64
+import html
 import json
+import re
 from pathlib import Path
 
 from tessera.advisor.advise import Advice
@@ -136,3 +141,28 @@ def write_plots(profile: Profile, out_dir: Path) -> list[str]:
     names.append("kv_usage.png")
     plt.close("all")
     return names
+
+
+_HTML_STYLE = """body{font-family:system-ui,sans-serif;max-width:64rem;margin:2rem auto;padding:0 1rem;color:#1d2430}
+table{border-collapse:collapse;margin:0.5rem 0 1rem}th,td{border:1px solid #d0d5dd;padding:0.25rem 0.6rem;text-align:left}
+th{background:#f2f4f7}pre{background:#f6f7f9;padding:0.75rem;overflow:auto}img{max-width:100%}"""
+
+
+def markdown_to_html(text: str, base_dir: Path, title: str = "Tessera workload report") -> str:
+    """One HTML page of the markdown report, each image it links read from `base_dir` and inlined."""
+    try:
+        import markdown
+    except ImportError as exc:
+        raise SystemExit("an HTML --report needs the markdown package: pip install 'tessera[plots]' "
+                         "(or give a .md path)") from exc
+    body = markdown.markdown(text, extensions=["tables", "fenced_code"])
+
+    def inline(match: re.Match) -> str:
+        path = base_dir / html.unescape(match.group(1))
+        if not path.is_file():
+            return match.group(0)
+        return f'src="data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()}"'
+
+    body = re.sub(r'src="([^"]+\.png)"', inline, body)
+    return (f"<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
+            f"<style>{_HTML_STYLE}</style></head>\n<body>\n{body}\n</body></html>\n")

@@ -236,6 +236,12 @@ async def run_load(args: argparse.Namespace) -> dict:
         except asyncio.TimeoutError:
             pass
         duration = time.perf_counter() - start
+    if getattr(args, "plot", None):
+        from tessera.bench.plots import plot_latency_cdfs
+
+        ok = [o for o in stats.outcomes if o.kind == "ok"]
+        plot_latency_cdfs({"first chunk": [o.ttft for o in ok if o.ttft is not None],
+                           "end to end": [o.latency for o in ok]}, args.plot, title=f"tessera bench load: {len(ok)} served")
     return summarize(args, stats, duration)
 
 
@@ -296,13 +302,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
     p.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
     p.add_argument("--clients", type=int, default=64, help="concurrent closed-loop clients (without --rate)")
-    p.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals per second instead")
+    p.add_argument("--rate", "--request-rate", dest="rate", type=float, default=None,
+                   help="open loop: Poisson arrivals per second instead")
     p.add_argument("--max-in-flight", type=int, default=1024, help="open loop: most requests open at once")
     p.add_argument("--duration", type=float, default=15.0, help="seconds to send requests for")
-    p.add_argument("--max-requests", type=int, default=100_000, help="stop after sending this many")
+    p.add_argument("--max-requests", "--num-prompts", dest="max_requests", type=int, default=100_000,
+                   help="stop after sending this many")
     p.add_argument("--endpoint", choices=["completions", "chat", "mixed"], default="mixed",
                    help="which API the clients call (mixed: both, alternately)")
-    p.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (ignore_eos)")
+    p.add_argument("--max-tokens", "--output-len", dest="max_tokens", type=int, default=16,
+                   help="tokens per answer (ignore_eos)")
     p.add_argument("--prompt-words", type=int, default=8, help="words per generated prompt")
     p.add_argument("--num-distinct-prompts", type=int, default=8,
                    help="distinct prompts the clients draw from (repeats must get the same greedy text)")
@@ -311,7 +320,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=120.0, help="client-side read timeout, seconds")
     p.add_argument("--retry-pause", type=float, default=0.05, help="closed loop: pause after a 503, seconds")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts, arrivals and disconnects")
-    p.add_argument("--out", default="", help="write the JSON summary here")
+    p.add_argument("--out", "--output-json", dest="out", default="", help="write the JSON summary here")
+    p.add_argument("--plot", default=None, metavar="PNG", help="latency CDFs here (needs matplotlib: the plots extra)")
 
 
 def validate(args: argparse.Namespace) -> None:

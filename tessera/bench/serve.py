@@ -64,8 +64,9 @@ def random_text(rng: random.Random, num_words: int) -> str:
     return " ".join(words)
 
 
-async def make_prompts(client: httpx.AsyncClient, args: argparse.Namespace) -> list[list[int]]:
-    """`num_prompts` token-id prompts of exactly `input_len` tokens each."""
+async def make_prompts(client: httpx.AsyncClient, args: argparse.Namespace) -> list[tuple[list[int], int]]:
+    """`num_prompts` (token-id prompt, output length): exactly `input_len` and `output_len` tokens
+    each, or a ShareGPT-shaped file's prompts and reply lengths (tokenized by the server)."""
     rng = random.Random(args.seed)
 
     async def exact(text: str) -> list[int]:
@@ -77,17 +78,38 @@ async def make_prompts(client: httpx.AsyncClient, args: argparse.Namespace) -> l
             text += " " + random_text(rng, args.input_len)
         return ids[: args.input_len]
 
+    if args.dataset == "sharegpt":
+        return await sharegpt_prompts(client, args)
     if args.dataset == "fixed":
         ids = await exact(args.prompt or random_text(rng, args.input_len))
-        return [ids] * args.num_prompts
-    return [await exact(random_text(rng, args.input_len)) for _ in range(args.num_prompts)]
+        return [(ids, args.output_len)] * args.num_prompts
+    return [(await exact(random_text(rng, args.input_len)), args.output_len) for _ in range(args.num_prompts)]
 
 
-async def send_one(client: httpx.AsyncClient, args: argparse.Namespace, prompt: list[int]) -> RequestResult:
+async def sharegpt_prompts(client: httpx.AsyncClient, args: argparse.Namespace) -> list[tuple[list[int], int]]:
+    from tessera.bench.datasets import read_sharegpt
+
+    if not args.dataset_path:
+        raise SystemExit("--dataset-name sharegpt needs --dataset-path FILE (a ShareGPT-shaped JSON list)")
+    pairs = read_sharegpt(args.dataset_path)
+    random.Random(args.seed).shuffle(pairs)
+    out = []
+    for prompt, reply in pairs[: args.num_prompts]:
+        ids = []
+        for text in (prompt, reply):
+            r = await client.post("/tokenize", json={"model": args.model, "prompt": text, "add_special_tokens": False})
+            r.raise_for_status()
+            ids.append(r.json()["tokens"])
+        out.append((ids[0], args.output_len if args.output_len_given else max(1, len(ids[1]))))
+    return out
+
+
+async def send_one(client: httpx.AsyncClient, args: argparse.Namespace, prompt: list[int],
+                   output_len: int) -> RequestResult:
     body = {
         "model": args.model,
         "prompt": prompt,
-        "max_tokens": args.output_len,
+        "max_tokens": output_len,
         "temperature": args.temperature,
         "ignore_eos": True,
         "stream": True,
@@ -139,11 +161,11 @@ async def run_load(args: argparse.Namespace) -> dict:
         rng = random.Random(args.seed + 1)
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
 
-        async def limited(prompt: list[int]) -> RequestResult:
+        async def limited(prompt: tuple[list[int], int]) -> RequestResult:
             if sem is None:
-                return await send_one(client, args, prompt)
+                return await send_one(client, args, *prompt)
             async with sem:
-                return await send_one(client, args, prompt)
+                return await send_one(client, args, *prompt)
 
         start = time.perf_counter()
         deadline = start + args.max_duration
@@ -160,6 +182,13 @@ async def run_load(args: argparse.Namespace) -> dict:
         duration = time.perf_counter() - start
         results = [t.result() for t in done]
         results += [RequestResult(error="cut off by --max-duration") for _ in pending]
+    if args.plot:
+        from tessera.bench.plots import plot_latency_cdfs
+
+        ok = [r for r in results if r.ok]
+        plot_latency_cdfs({"TTFT": [r.ttft for r in ok], "TPOT": [t for r in ok if (t := r.tpot) is not None],
+                           "inter-token": [x for r in ok for x in r.itl], "end to end": [r.e2e for r in ok]},
+                          args.plot, title=f"tessera bench serve: {len(ok)} requests")
     return summarize(args, results, duration)
 
 
@@ -245,22 +274,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Poisson arrival rate in requests/s (inf: send all at once)")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
-    p.add_argument("--output-len", type=int, default=64, help="tokens generated per request")
-    p.add_argument("--dataset", choices=["random", "fixed"], default="random",
-                   help="random: a different random prompt each; fixed: one prompt for all (prefix cache hits)")
+    p.add_argument("--output-len", type=int, default=None,
+                   help="tokens per answer (ignore_eos; default 64, or each ShareGPT reply's length)")
+    p.add_argument("--dataset-name", "--dataset", dest="dataset", choices=["random", "fixed", "sharegpt"],
+                   default="random", help="random: a different random prompt each; fixed: one prompt for all "
+                                          "(prefix cache hits); sharegpt: prompts from --dataset-path")
+    p.add_argument("--dataset-path", default=None, help="a ShareGPT-shaped JSON file (tessera/bench/datasets.py)")
     p.add_argument("--prompt", default=None, help="the text of the fixed prompt (default: random words)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and the arrival times")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="count requests whose TTFT meets this SLO")
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="count requests whose TPOT meets this SLO")
     p.add_argument("--max-duration", type=float, default=600.0, help="stop after this many seconds")
-    p.add_argument("--out", default="serve_bench.json", help="where to write the JSON results ('' for nowhere)")
+    p.add_argument("--output-json", "--out", dest="out", default="serve_bench.json",
+                   help="where to write the JSON results ('' for nowhere)")
+    p.add_argument("--plot", default=None, metavar="PNG", help="latency CDFs here (needs matplotlib: the plots extra)")
     p.add_argument("--save-requests", action="store_true", help="include every request's timings in the JSON")
     return p
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
+    args.output_len_given = args.output_len is not None
+    if args.output_len is None:
+        args.output_len = 64
     check_loopback(args.base_url)
     if not 1 <= args.num_prompts <= MAX_PROMPTS:
         raise SystemExit(f"--num-prompts must be in [1, {MAX_PROMPTS}]")

@@ -1,7 +1,8 @@
 """The FastAPI app: routes wired to an AsyncLLMEngine, auth, health and Prometheus metrics.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both stream as SSE with `stream: true`),
-GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /metrics. Handlers live in
+GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /metrics, and the live dashboard
+(GET /dashboard, / redirects there, fed by GET /v1/stats; dashboard.py). Handlers live in
 serving.py; what one HTTP request does to the engine lives in request_group.py.
 
 Authentication (`--api-key` / TESSERA_API_KEY) covers /v1/* and the tokenize endpoints;
@@ -23,6 +24,7 @@ from fastapi.responses import Response
 from tessera.config import EngineConfig
 from tessera.engine.async_engine import AsyncLLMEngine
 from tessera.server.admission import AdmissionCollector, AdmissionController, RequestBodyGuard, ServerLimits
+from tessera.server.dashboard import install_dashboard
 from tessera.server.errors import APIError, error_response, install_error_handlers
 from tessera.server.metrics import ServerMetrics
 from tessera.server.request_group import ClientDisconnected
@@ -81,6 +83,7 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, *, served_model_na
     protected.add_api_route("/v1/chat/completions", server.create_chat_completion, methods=["POST"])
     protected.add_api_route("/tokenize", server.tokenize, methods=["POST"])
     protected.add_api_route("/detokenize", server.detokenize, methods=["POST"])
+    install_dashboard(app, protected, engine, metrics.registry, served_model_name)  # /dashboard, /v1/stats
     app.include_router(protected)
 
     @app.get("/health")

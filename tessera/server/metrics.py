@@ -5,7 +5,7 @@ outputs, and this turns them into latency histograms (TTFT, inter-token latency,
 queue time), batch-size histograms and a finished-request counter (aborted requests, e.g. a
 client that disconnected, count there with finished_reason="abort", as in vLLM). Engine-wide totals and
 gauges (tokens, preemptions, running/waiting, KV usage, prefix cache queries/hits/hit rate,
-evicted/demoted/promoted blocks, swapped blocks and the host tier) are read from the engine's
+evicted/demoted/promoted blocks, swapped blocks, the host tier, speculative draft and accepted tokens) are read from the engine's
 stats snapshot at scrape time, so they are always exact. Each app has its own registry, so
 tests can run several apps in one process.
 """
@@ -227,3 +227,10 @@ class _EngineStatsCollector(Collector):
         yield gauge("tessera:host_kv_cache_usage_perc",
                     "Fraction of host-tier KV blocks held by swapped sequences (0..1; 0 without --swap-space).",
                     1.0 - s.num_host_free_blocks / s.num_host_total_blocks if s.num_host_total_blocks else 0.0)
+        yield gauge("tessera:host_kv_cached_blocks", "Demoted prefix-cache blocks held in the host tier now.",
+                    s.num_host_cached_blocks)
+        # vLLM's names, without its `_total` (the exposition adds it): 0 while speculation is off.
+        yield counter("tessera:spec_decode_num_draft_tokens", "Draft tokens proposed for verification.",
+                      s.spec_num_proposed_tokens)
+        yield counter("tessera:spec_decode_num_accepted_tokens", "Draft tokens the target model accepted.",
+                      s.spec_num_accepted_tokens)
