@@ -134,6 +134,8 @@ class EngineConfig:
     # beyond the invariance that holds by default (see docs/reproducibility.md).
     enforce_eager: bool = False
     deterministic: bool = False
+    # Structured outputs (tessera/structured): the library that compiles and matches grammars.
+    structured_outputs_backend: str = "xgrammar"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -172,5 +174,7 @@ class EngineConfig:
                              f"{', '.join(QUANTIZATION_METHODS)}")
         if self.preemption_mode not in ("recompute", "swap", "auto"):
             raise ValueError(f"--preemption-mode {self.preemption_mode!r}: choose recompute, swap or auto")
+        if self.structured_outputs_backend not in ("xgrammar",):
+            raise ValueError(f"--structured-outputs-backend {self.structured_outputs_backend!r}: choose xgrammar")
         if self.preemption_mode == "swap" and self.swap_space == 0:
             raise ValueError("--preemption-mode swap needs a host KV pool: give --swap-space in GiB, e.g. 4")

@@ -57,6 +57,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the model step eagerly (no torch.compile, no CUDA graphs): slower, starts at once")
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels for every path (same tokens whatever the batch), at a measured cost")
+    p.add_argument("--structured-outputs-backend", choices=["xgrammar"], default="xgrammar",
+                   help="library that compiles JSON-schema / regex / choice / grammar constraints")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -85,4 +87,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         deterministic=args.deterministic,
+        structured_outputs_backend=args.structured_outputs_backend,
     )
