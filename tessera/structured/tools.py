@@ -10,11 +10,12 @@ arguments object. Everything here raises ValueError with a message for a 400. To
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
 
-from tessera.structured.params import StructuredOutputsParams
+from tessera.structured.params import CONSTRAINT_KINDS, StructuredOutputsParams
 from tessera.structured.tool_parsers import ParsedToolCall, ToolParser
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -138,7 +139,17 @@ def extra_constraint(structured_outputs: dict | None) -> StructuredOutputsParams
     unknown = sorted(set(structured_outputs) - fields)
     if unknown:
         raise ValueError(f"structured_outputs: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}")
+    if not set(structured_outputs) & set(CONSTRAINT_KINDS):
+        return None  # options only (disable_any_whitespace): they apply to the other constraint
     return StructuredOutputsParams(**structured_outputs)
+
+
+def with_options(constraint: StructuredOutputsParams | None, structured_outputs: dict | None):
+    """`constraint` with the option fields of a structured_outputs body that sets no constraint
+    itself, e.g. {"disable_any_whitespace": true} next to response_format."""
+    if constraint is None or not isinstance(structured_outputs, dict) or set(structured_outputs) & set(CONSTRAINT_KINDS):
+        return constraint
+    return dataclasses.replace(constraint, **structured_outputs)
 
 
 # ---- prompts ----------------------------------------------------------------------------------
