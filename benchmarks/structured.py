@@ -29,7 +29,8 @@ from tessera.structured import StructuredOutputsParams
 from tessera.structured.bitmask import apply_bitmask
 from tessera.structured.manager import StructuredOutputManager
 
-SCHEMA = {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string"}}},
+# minItems keeps every sequence inside the grammar for the whole measurement (the batch must not shrink).
+SCHEMA = {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string"}, "minItems": 100}},
           "required": ["notes"]}
 OTHER_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                                  "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}}},
@@ -57,7 +58,8 @@ def decode_step_times(engine: LLMEngine, batch: int, constrained: bool, steps: i
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
-        assert engine.stats().last_step_num_seqs == batch
+        if engine.stats().last_step_num_seqs != batch:
+            raise RuntimeError(f"the batch shrank to {engine.stats().last_step_num_seqs}: raise max_tokens or minItems")
     engine.abort_request([f"{constrained}-{batch}-{i}" for i in range(batch)])
     return times
 
