@@ -27,7 +27,12 @@ from typing import Any
 
 import torch
 
-from tessera.structured.backend import STRUCTURED_OUTPUT_BACKENDS, GrammarMatcher, StructuredOutputBackend, create_backend
+from tessera.structured.backend import (
+    STRUCTURED_OUTPUT_BACKENDS,
+    GrammarMatcher,
+    StructuredOutputBackend,
+    create_backend,
+)
 from tessera.structured.bitmask import TokenMask, allocate_bitmask
 from tessera.structured.params import StructuredOutputsParams
 
