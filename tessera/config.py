@@ -142,6 +142,8 @@ class EngineConfig:
     chat_template: str | None = None
     max_logprobs: int = 20
     allow_long_context: bool = False
+    # Structured outputs (tessera/structured): the library that compiles and matches grammars.
+    structured_outputs_backend: str = "xgrammar"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -180,6 +182,8 @@ class EngineConfig:
                              f"{', '.join(QUANTIZATION_METHODS)}")
         if self.preemption_mode not in ("recompute", "swap", "auto"):
             raise ValueError(f"--preemption-mode {self.preemption_mode!r}: choose recompute, swap or auto")
+        if self.structured_outputs_backend not in ("xgrammar",):
+            raise ValueError(f"--structured-outputs-backend {self.structured_outputs_backend!r}: choose xgrammar")
         if self.preemption_mode == "swap" and self.swap_space == 0:
             raise ValueError("--preemption-mode swap needs a host KV pool: give --swap-space in GiB, e.g. 4")
         if not 0 < self.kv_cache_memory_fraction <= 1:

@@ -111,6 +111,8 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                "slower steps, faster start.", boolean=True),
     EngineFlag("deterministic", "--deterministic", "Batch-invariant kernels on every path (same tokens whatever "
                "the batch), at a measured cost.", boolean=True),
+    EngineFlag("structured_outputs_backend", "--structured-outputs-backend", "Library that compiles JSON-schema, "
+               "regex, choice and grammar constraints.", choices=("xgrammar",)),
     EngineFlag("tokenizer", "--tokenizer", "Tokenizer folder or .gguf file (unset: the model's own)."),
     EngineFlag("chat_template", "--chat-template", "Jinja chat template, as a file or the template text (unset: "
                "the model's own)."),

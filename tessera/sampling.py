@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tessera.structured.params import StructuredOutputsParams
+
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows to inf/nan.
 _GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
@@ -41,6 +43,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # how many top logprobs to return besides the sampled token
     skip_special_tokens: bool = True
+    # A JSON schema, regex, choice or grammar the output must follow (tessera/structured).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -92,6 +96,8 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "a bool")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            fail("structured_outputs", "a StructuredOutputsParams or None")
 
     @property
     def is_greedy(self) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ from tessera.quant import quantize_model
 from tessera.quant.kv import kv_bytes_per_token
 from tessera.sampling import SamplingParams
 from tessera.spec.decoder import SpeculativeDecoder
+from tessera.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger("tessera")
 
@@ -138,6 +140,11 @@ class LLMEngine:
         self.spec = SpeculativeDecoder.from_config(config, self.kv, self.max_model_len, num_blocks, self.dtype,
                                                    mc.vocab_size) if config.speculative_method else None
         self._spec_parked: SpeculativeDecoder | None = None  # set_speculation(None) keeps it here
+        # Structured outputs: grammars compile on a worker thread; a constrained request waits
+        # here (outside the scheduler) until its grammar is ready, never the step.
+        self.structured = StructuredOutputManager(config.structured_outputs_backend, self.tokenizer.hf,
+                                                  mc.vocab_size, self.eos_token_ids)
+        self._awaiting_grammar: list[tuple[list[Sequence], Future]] = []
         self._requests: dict[str, _RequestState] = {}
         self._generators: dict[int, torch.Generator] = {}
         self._prompt_tokens_total = 0
@@ -183,13 +190,53 @@ class LLMEngine:
             # Each of the n samples gets its own stream; the same seed repeats the same outputs.
             generators = {seq.seq_id: torch.Generator().manual_seed(params.seed + 1_000_003 * seq.index)
                           for seq in seqs}
+        grammar = self._grammar_future(params)
         for seq in seqs:  # the n share prompt and params: all fit the KV pool, or the first raises
-            self.scheduler.add(seq)  # raises ValueError if it can never fit the KV pool
+            if grammar is None:
+                self.scheduler.add(seq)  # raises ValueError if it can never fit the KV pool
+            else:
+                self.scheduler._check_fits(seq)
             state.texts.append(SequenceTextState(seq, self.tokenizer))
+        if grammar is not None:
+            self._awaiting_grammar.append((seqs, grammar))
         self._generators.update(generators)
         state.handoff = handoff
         self._requests[request_id] = state
         self._prompt_tokens_total += len(prompt_ids)
+
+    def _grammar_future(self, params: SamplingParams) -> Future | None:
+        """The compile of the request's constraint (None if it has none); raises ValueError at
+        once if it is already known not to compile."""
+        if params.structured_outputs is None:
+            return None
+        future = self.structured.compile(params.structured_outputs)
+        if future.done() and future.exception() is not None:
+            raise ValueError(str(future.exception()))
+        return future
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Hand the requests whose grammar is ready to the scheduler; end those whose grammar
+        failed to compile (a front end that awaited the compile first never sees this)."""
+        failed: dict[str, _RequestState] = {}
+        still = []
+        for seqs, future in self._awaiting_grammar:
+            if not future.done():
+                still.append((seqs, future))
+                continue
+            state = self._requests.get(seqs[0].request_id)
+            if state is None:
+                continue  # aborted while it waited
+            if future.exception() is not None:
+                logger.warning("request %s: %s", seqs[0].request_id, future.exception())
+                for seq in seqs:
+                    seq.status = SequenceStatus.FINISHED_ABORTED
+                failed[seqs[0].request_id] = state
+                continue
+            for seq in seqs:
+                self.structured.add_sequence(seq.seq_id, future.result())
+                self.scheduler.add(seq)
+        self._awaiting_grammar = still
+        return self._request_outputs(failed, time.monotonic()) if failed else []
 
     def _validate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
@@ -213,11 +260,13 @@ class LLMEngine:
             self._handoffs.pop(rid, None)
             if state is None:
                 continue
+            self._awaiting_grammar = [(seqs, f) for seqs, f in self._awaiting_grammar if seqs[0].request_id != rid]
             for seq, _ in self._pending_imports:
                 if seq.request_id == rid:
                     seq.status = SequenceStatus.FINISHED_ABORTED  # _admit_imports drops it
             for seq in self.scheduler.abort(rid):
                 self._generators.pop(seq.seq_id, None)
+                self.structured.forget(seq.seq_id)
                 if self.spec is not None:
                     self.spec.forget(seq.seq_id)
 
@@ -228,8 +277,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
-        outputs = self._step(started)
+        outputs = self._admit_compiled() if self._awaiting_grammar else []
+        outputs += self._step(started)
         self._last_step_time = time.perf_counter() - started
+        if self._awaiting_grammar and self._last_step == (0, 0) and not outputs:
+            # Nothing runs but grammars are compiling: wait for one rather than spin.
+            wait([f for _, f in self._awaiting_grammar], timeout=0.05, return_when=FIRST_COMPLETED)
         return outputs
 
     def _step(self, started: float) -> list[RequestOutput]:
@@ -253,14 +306,17 @@ class LLMEngine:
                 break
             num_decodes += 1
         step = self.runner.prepare(scheduled, num_decodes, spec_tokens)
+        # Grammar masks are filled on a worker thread while the model step runs.
+        mask_future = self.structured.fill_async([s.seq_id for s in step.sample_seqs], spec_tokens)
         logits = self.runner.execute(step)
+        token_mask = mask_future.result() if mask_future is not None else None
         self.scheduler.update_after_step(out)
         self._last_step = (len(scheduled), step.metadata.num_tokens)
         if not step.sample_seqs:
             return []
         if spec_tokens:
             seqs, token_ids, logprobs = self.spec.sample(step.sample_seqs, logits, spec_tokens, self.sampler,
-                                                         self._generators, self.eos_token_ids)
+                                                         self._generators, self.eos_token_ids, token_mask)
             outputs = self._process_samples(seqs, token_ids, logprobs, time.monotonic())
             self.spec.rollback()  # the accepted tokens are appended: trim what was rejected
             self.spec.record_step(out.scheduled, time.perf_counter() - started)
@@ -273,6 +329,7 @@ class LLMEngine:
             [s.prompt_token_ids for s in seqs],
             [self._generators.get(s.seq_id) for s in seqs],
             eos_token_ids=self.eos_token_ids,
+            token_mask=token_mask,
         )
         outputs = self._process_samples(seqs, [[t] for t in sampled.token_ids], sampled.logprobs, time.monotonic())
         if self.spec is not None:
@@ -297,16 +354,24 @@ class LLMEngine:
                     seq.output_logprobs.append(decode_logprobs(logprobs[i], self.tokenizer))
                 status = state.texts[seq.index].append_token(token_id, self.eos_token_ids, self.max_model_len)
                 self._generation_tokens_total += 1
+                if status is None and self.structured.is_constrained(seq.seq_id) and not self.structured.accept(
+                        seq.seq_id, token_id):
+                    status = SequenceStatus.FINISHED_STOPPED  # the grammar is complete: nothing may follow
                 if status is None and state.handoff:
                     self._export_handoff(state, seq)  # before finish() frees its blocks
                     status = SequenceStatus.FINISHED_ABORTED  # here; it lives on in the next engine
                 if status is not None:
                     self.scheduler.finish(seq, status)
                     self._generators.pop(seq.seq_id, None)
+                    self.structured.forget(seq.seq_id)
                     if self.spec is not None:
                         self.spec.forget(seq.seq_id)
                     break
             changed[seq.request_id] = state
+        return self._request_outputs(changed, now)
+
+    def _request_outputs(self, changed: dict[str, _RequestState], now: float) -> list[RequestOutput]:
+        """One output per request that changed this step; finished requests are dropped."""
         outputs = []
         for rid, state in changed.items():
             finished = state.finished
@@ -405,6 +470,9 @@ class LLMEngine:
         text = SequenceTextState(seq, self.tokenizer)
         text.resume(handoff.emitted_text_len)
         state.texts.append(text)
+        if handoff.params.structured_outputs is not None:  # replay its output through a fresh matcher
+            self.structured.add_sequence(seq.seq_id, self.structured.compile(handoff.params.structured_outputs).result(),
+                                         seq.output_token_ids)
         if handoff.generator_state is not None:
             gen = torch.Generator()
             gen.set_state(handoff.generator_state)

@@ -99,6 +99,9 @@ class LLM:
         engine = self.engine
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         try:
+            for p in params:  # a constraint that does not compile is a ValueError here, as a bad prompt is
+                if p.structured_outputs is not None:
+                    engine.structured.compile(p.structured_outputs).result()
             for rid, prompt, p in zip(ids, prompts, params, strict=True):
                 engine.add_request(rid, prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt, p)
             results: dict[str, RequestOutput] = {}

@@ -1,7 +1,7 @@
 """Sampler: turns one step's logits into one token per sequence, in one batched call.
 
 Order of operations, as in vLLM:
-  penalties -> min_tokens mask -> (logprobs are taken here) -> temperature -> top-k -> top-p
+  structured-output token mask -> penalties -> min_tokens mask -> (logprobs are taken here) -> temperature -> top-k -> top-p
   -> min-p -> draw.
 
 Logprobs convention: the returned logprobs are `log_softmax` of the logits after penalties and
@@ -26,6 +26,7 @@ import torch
 
 from tessera.outputs import Logprob, TokenLogprobs
 from tessera.sampling import SamplingParams
+from tessera.structured.bitmask import TokenMask, apply_bitmask
 
 # top-p compares float32 cumulative sums with p; a prefix whose mass is within this of p counts
 # as reaching p, so rounding in the sum cannot pull one extra token into the nucleus.
@@ -138,9 +139,12 @@ class Sampler:
         prompt_token_ids: Sequence[Sequence[int]],
         generators: Sequence[torch.Generator | None],
         eos_token_ids: Collection[int] = (),
+        token_mask: TokenMask | None = None,
     ) -> SamplerOutput:
         """One token per row of `logits` [B, V]; every list argument has one entry per row.
 
+        `token_mask` (structured outputs) sets the tokens its rows' grammars forbid to -inf
+        before anything else, so logprobs too are those of the constrained distribution.
         `generators[i]` is row i's own generator (seeded requests) or None for the shared one.
         `eos_token_ids` are held back, with each row's stop_token_ids, until the row has
         min_tokens output tokens (unless its params say ignore_eos).
@@ -154,6 +158,8 @@ class Sampler:
             )
         device = logits.device
         logits = logits.float()  # never written in place below: it may be the caller's tensor
+        if token_mask is not None:
+            logits = apply_bitmask(logits, token_mask.bitmask, token_mask.rows)
 
         penalized = [i for i, p in enumerate(params) if p.uses_penalties]
         if penalized:

@@ -33,18 +33,20 @@ from tessera.server.serving import OpenAIServer
 
 
 def create_app(config: EngineConfig, served_model_name: str | None = None, api_key: str | None = None,
-               limits: ServerLimits | None = None, allowed_origins: list[str] | None = None) -> FastAPI:
+               limits: ServerLimits | None = None, allowed_origins: list[str] | None = None,
+               tool_call_parser: str = "hermes") -> FastAPI:
     """Load the engine for `config` (seconds) and build the app around it; the app owns the engine."""
     name = served_model_name or config.model
     metrics = ServerMetrics(name)
     engine = AsyncLLMEngine.from_config(config, observer=metrics)
     return build_app(engine, metrics, served_model_name=name, api_key=api_key, model_root=config.model,
-                     limits=limits, allowed_origins=allowed_origins)
+                     limits=limits, allowed_origins=allowed_origins, tool_call_parser=tool_call_parser)
 
 
 def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, *, served_model_name: str,
               api_key: str | None = None, model_root: str | None = None, owns_engine: bool = True,
-              limits: ServerLimits | None = None, allowed_origins: list[str] | None = None) -> FastAPI:
+              limits: ServerLimits | None = None, allowed_origins: list[str] | None = None,
+              tool_call_parser: str = "hermes") -> FastAPI:
     """The app over a running AsyncLLMEngine (whose observer should be `metrics`), or anything
     with its surface (tessera.disagg's router); when the app owns the engine, its shutdown stops
     the engine thread."""
@@ -52,7 +54,7 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, *, served_model_na
     limits = limits or ServerLimits()
     admission = AdmissionController(limits, engine.max_num_seqs)
     metrics.registry.register(AdmissionCollector(admission, served_model_name))
-    server = OpenAIServer(engine, served_model_name, model_root, limits, admission)
+    server = OpenAIServer(engine, served_model_name, model_root, limits, admission, tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

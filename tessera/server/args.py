@@ -63,6 +63,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Largest request body, e.g. 4MiB (413 beyond it).")
     parser.add_argument("--allowed-origins", default=None,
                         help="Comma-separated origins allowed by CORS, e.g. https://app.example (default: CORS off).")
+    parser.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default="hermes",
+                        help="How tool calls are read from the model's text for tool_choice auto (hermes: "
+                             "<tool_call> JSON blocks; llama3_json: Llama 3 JSON).")
     add_engine_arguments(parser)
     from tessera.disagg.args import add_cluster_arguments
 
@@ -163,7 +166,8 @@ def run_server(args: argparse.Namespace) -> int:
                                     api_key=api_key, limits=limits, allowed_origins=origins)
         else:
             app = create_app(engine_config, served_model_name=args.served_model_name, api_key=api_key,
-                             limits=limits, allowed_origins=origins)
+                             limits=limits, allowed_origins=origins,
+                             tool_call_parser=args.tool_call_parser)
         from tessera.advisor.commands import attach_serve_advisor
 
         attach_serve_advisor(app, args)

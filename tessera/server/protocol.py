@@ -3,7 +3,8 @@
 Requests accept OpenAI's fields and the vLLM extras users already send (top_k, min_p,
 repetition_penalty, ignore_eos, stop_token_ids, ...). Unknown fields are ignored, as OpenAI
 and vLLM do; fields that would change the answer but are not implemented (echo, suffix,
-logit_bias, tools, response_format, best_of > n) are rejected with a 400 by the routes.
+logit_bias, best_of > n) are rejected with a 400 by the routes. Structured outputs and tools
+(response_format, structured_outputs, tools, tool_choice) are mapped by tessera/structured.
 Responses carry every field the official `openai` client reads, so it parses them unchanged.
 """
 
@@ -15,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tessera.sampling import SamplingParams
+from tessera.structured.params import StructuredOutputsParams
 
 # ---- requests -------------------------------------------------------------------------------
 
@@ -54,8 +56,11 @@ class _SamplingFields(_Request):
     user: str | None = None
     # Seconds from arrival after which the request is aborted (capped by --request-timeout).
     timeout: float | None = None
+    # vLLM's extra field: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...}
+    structured_outputs: dict[str, Any] | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """Build SamplingParams; raises ValueError naming the field when a value is out of range."""
         kw: dict[str, Any] = {}
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -73,6 +78,7 @@ class _SamplingFields(_Request):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
+            structured_outputs=structured_outputs,
             **kw,
         )
 
@@ -92,9 +98,11 @@ class TextContentPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart | dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -106,6 +114,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
     tool_choice: Any | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
 
@@ -178,11 +187,34 @@ class ChatLogprobs(BaseModel):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
-    tool_calls: list[Any] = Field(default_factory=list)
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -206,6 +238,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -39,7 +39,6 @@ from tessera.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatMessage,
-    ChatMessageOut,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
@@ -53,14 +52,19 @@ from tessera.server.protocol import (
 )
 from tessera.server.request_group import RequestGroup
 from tessera.server.shutdown import Drain
+from tessera.server.structured import ChatStructure, check_compiles, parse_extra_constraint
+from tessera.structured.tool_parsers import get_tool_parser
+from tessera.structured.tools import ToolPlan, render_chat
 
 
 class OpenAIServer:
     """The route handlers; one instance per app."""
 
     def __init__(self, engine: AsyncLLMEngine, served_model_name: str, model_root: str | None,
-                 limits: ServerLimits | None = None, admission: AdmissionController | None = None) -> None:
+                 limits: ServerLimits | None = None, admission: AdmissionController | None = None,
+                 tool_call_parser: str = "hermes") -> None:
         self.engine = engine
+        self.tool_parser = get_tool_parser(tool_call_parser)
         self.model_name = served_model_name
         self.model_root = model_root
         self.tokenizer = engine.tokenizer
@@ -101,7 +105,9 @@ class OpenAIServer:
             raise APIError(400, "echo is not supported", param="echo")
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        params = self._sampling_params(body, body.max_tokens, body.logprobs)
+        constraint = parse_extra_constraint(body)
+        params = self._sampling_params(body, body.max_tokens, body.logprobs, constraint)
+        await check_compiles(self.engine, constraint, "structured_outputs")
         several = isinstance(body.prompt, list) and bool(body.prompt) and not isinstance(body.prompt[0], int)
         self._check_limits(body, params, len(body.prompt) if several else 1)
         prompts = self._completion_prompts(body.prompt)
@@ -167,16 +173,15 @@ class OpenAIServer:
         arrival = time.monotonic()
         self._check_model(body.model)
         self._reject_unsupported(body)
-        for name in ("tools", "response_format"):
-            if getattr(body, name):
-                raise APIError(400, f"{name} is not supported", param=name)
+        structure = ChatStructure(body, self.tool_parser)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = self._sampling_params(body, max_tokens, logprobs)
+        params = self._sampling_params(body, max_tokens, logprobs, structure.constraint)
         self._check_limits(body, params, 1)
-        ids = self.tokenizer.encode(self._render_chat(body.messages, body.add_generation_prompt),
+        await check_compiles(self.engine, structure.constraint, structure.param)
+        ids = self.tokenizer.encode(self._render_chat(body.messages, body.add_generation_prompt, structure.plan),
                                     add_special_tokens=False)
         self._check_length(ids, params.max_tokens, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -185,25 +190,25 @@ class OpenAIServer:
                                        timeout=self.limits.timeout_for(body.timeout), live=self.drain.groups)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            body_iter = self._stream_chat(request_id, group, params, include_usage)
+            body_iter = self._stream_chat(request_id, group, params, include_usage, structure)
             return sse_response(body_iter, on_close=group.abort_unfinished)
         (final,) = await group.final_outputs(raw)
-        choices = [
-            ChatChoice(
+        choices = []
+        for c in final.outputs:
+            message, finish_reason = structure.message(c.text, c.finish_reason)
+            choices.append(ChatChoice(
                 index=c.index,
-                message=ChatMessageOut(content=c.text),
+                message=message,
                 logprobs=chat_logprobs(c.token_ids, c.logprobs or [], params.logprobs)
                 if params.logprobs is not None else None,
-                finish_reason=c.finish_reason,
+                finish_reason=finish_reason,
                 stop_reason=c.stop_reason,
-            )
-            for c in final.outputs
-        ]
+            ))
         return json_response(ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                             usage=usage_of([final])))
 
     async def _stream_chat(self, request_id: str, group: RequestGroup, params: SamplingParams,
-                           include_usage: bool) -> AsyncIterator[str]:
+                           include_usage: bool, structure: ChatStructure) -> AsyncIterator[str]:
         created = int(time.time())
 
         def chunk(index: int, delta: DeltaMessage, logprobs=None, finish_reason=None, stop_reason=None) -> str:
@@ -215,6 +220,7 @@ class OpenAIServer:
 
         finished: set[int] = set()
         final: RequestOutput | None = None
+        streams = [structure.stream() for _ in range(params.n)]  # tool calls are parsed per choice
         try:
             # The role first, for every choice, before any token: it also flushes the headers.
             for index in range(params.n):
@@ -229,8 +235,10 @@ class OpenAIServer:
                         logprobs = chat_logprobs(c.delta_token_ids, c.delta_logprobs or [], params.logprobs)
                     if c.finish_reason is not None:
                         finished.add(c.index)
-                    yield chunk(c.index, DeltaMessage(content=c.delta_text or None), logprobs, c.finish_reason,
-                                c.stop_reason)
+                    delta, finish_reason = streams[c.index].step(c.delta_text, c.finish_reason)
+                    if delta is None and finish_reason is None and logprobs is None:
+                        continue  # text held back (a tool call being assembled)
+                    yield chunk(c.index, delta or DeltaMessage(), logprobs, finish_reason, c.stop_reason)
             if include_usage and final is not None:
                 yield sse_data(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=[],
                                                     usage=usage_of([final])))
@@ -262,9 +270,9 @@ class OpenAIServer:
                              timeout=body.timeout)
 
     @staticmethod
-    def _sampling_params(body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(body, max_tokens: int | None, logprobs: int | None, constraint=None) -> SamplingParams:
         try:
-            return body.sampling_params(max_tokens, logprobs)
+            return body.sampling_params(max_tokens, logprobs, constraint)
         except ValueError as exc:
             raise invalid_param(exc) from None
 
@@ -307,7 +315,7 @@ class OpenAIServer:
                      f"prompt, or raise --max-model-len",
                 param="max_tokens", code="context_length_exceeded")
 
-    def _render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+    def _render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool, plan: ToolPlan | None = None) -> str:
         conversation = []
         for i, m in enumerate(messages):
             if m.content is None or isinstance(m.content, str):
@@ -322,8 +330,16 @@ class OpenAIServer:
                                             f"{part.get('type')!r}", param=f"messages.{i}.content")
                 content = "\n".join(texts)
             role = "system" if m.role == "developer" else m.role
-            conversation.append({"role": role, "content": content})
+            entry = {"role": role, "content": content}
+            if m.tool_calls:
+                entry["tool_calls"] = m.tool_calls
+            if m.tool_call_id is not None:
+                entry["tool_call_id"] = m.tool_call_id
+            conversation.append(entry)
         try:
+            if (plan is not None and plan.active) or any(m.role == "tool" or m.tool_calls for m in messages):
+                return render_chat(self.tokenizer.hf, conversation, plan or ToolPlan([], "none"), self.tool_parser,
+                                   add_generation_prompt)
             return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None

@@ -33,6 +33,7 @@ from tessera.sampling import SamplingParams
 from tessera.spec.controller import Candidate, SpeculationController
 from tessera.spec.ngram import NgramProposer
 from tessera.spec.rejection import verify
+from tessera.structured.bitmask import TokenMask, apply_bitmask
 
 SPECULATIVE_METHODS = ("ngram", "draft")
 # Acceptance assumed for an n-gram match-length bucket before any verification of it: a one-token
@@ -171,12 +172,18 @@ class SpeculativeDecoder:
     # ---- after the forward pass -----------------------------------------------------------
 
     def sample(self, sample_seqs: list[Sequence], logits: torch.Tensor, spec_tokens: dict[int, list[int]],
-               sampler: Sampler, generators: dict[int, torch.Generator], eos_token_ids: Collection[int]):
+               sampler: Sampler, generators: dict[int, torch.Generator], eos_token_ids: Collection[int],
+               token_mask: TokenMask | None = None):
         """Tokens for every sampling sequence of the step: (seqs, token id lists, logprobs).
 
         `sample_seqs` names the sequence of each logits row; a speculating sequence owns k+1
         consecutive rows. Plain rows go through the Sampler, speculating ones through verify().
+        `token_mask` (structured outputs) masks every row first, a speculating row j with its
+        grammar state after j proposals: a proposal the grammar forbids has probability 0 there
+        and is rejected, so accepted tokens always follow the grammar.
         """
+        if token_mask is not None:
+            logits = apply_bitmask(logits.float(), token_mask.bitmask, token_mask.rows)
         plain_rows: list[int] = []
         spec_rows: list[int] = []
         order: list[tuple[Sequence, bool]] = []  # each sequence once, in row order

@@ -44,7 +44,8 @@ def schema(server):
     return schemathesis.openapi.from_url(server.base_url + "/openapi.json")
 
 
-# Fields the server refuses whatever their value, and the model name: a random one is a 404.
+# Fields the server refuses whatever their value (or, for random tools and response_format, nearly
+# always), and the model name: a random one is a 404.
 _ALWAYS_REFUSED = ("logit_bias", "best_of", "echo", "suffix", "tools", "response_format")
 
 

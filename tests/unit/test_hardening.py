@@ -147,8 +147,12 @@ BAD = [
     case("chat-max-completion-tokens-zero", CHAT, {"messages": USER, "max_completion_tokens": 0}, 400, "max_tokens"),
     case("chat-huge-conversation", CHAT, {"messages": USER * 400}, 400, "messages", "context"),
     case("chat-tools", CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools"),
-    case("chat-response-format", CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, 400,
+    case("chat-response-format", CHAT, {"messages": USER, "response_format": {"type": "xml"}}, 400,
          "response_format"),
+    case("chat-unknown-tool", CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}],
+                                     "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400,
+         "tool_choice", "'g'"),
+    case("chat-bad-regex", CHAT, {"messages": USER, "structured_outputs": {"regex": "(a"}}, 400, "structured_outputs"),
     case("chat-n-over-limit", CHAT, {"messages": USER, "n": 17}, 400, "n"),
     case("chat-unknown-model", CHAT, {"messages": USER, "model": "nope"}, 404, "model"),
     # tokenize / detokenize
