@@ -26,11 +26,10 @@ from tessera.engine.sampler import Sampler
 from tessera.engine.scheduler import Scheduler
 from tessera.engine.swap import HostBlockPool, PreemptionPolicy, measure_swap_costs, num_host_kv_blocks
 from tessera.model.download import resolve_model_path
-from tessera.model.llama import LlamaForCausalLM
+from tessera.model.registry import build_model
 from tessera.model.tokenizer import Tokenizer
 from tessera.model.weights import load_model_files
 from tessera.outputs import RequestMetrics, RequestOutput
-from tessera.quant import quantize_model
 from tessera.quant.kv import kv_bytes_per_token
 from tessera.sampling import SamplingParams
 from tessera.spec.decoder import SpeculativeDecoder
@@ -104,11 +103,8 @@ class LLMEngine:
         self.model_config = mc = files.config
         self.dtype = resolve_dtype(config.dtype)
         t0 = time.perf_counter()
-        model = LlamaForCausalLM(mc, self.dtype, device=config.device, attn_backend=config.attention_backend)
-        model.load_weights(files.weights())
-        quantize_model(model, config.quantization, quantize_lm_head=config.quantize_lm_head,
-                       group_size=config.quant_group_size, model_files=files, sparsity=config.sparsity)
-        model.eval()
+        model = build_model(files, self.dtype, config.device, config.attention_backend, config.quantization,
+                            config.quantize_lm_head, config.quant_group_size, config.sparsity)
         self.tokenizer = Tokenizer(path, mc)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
