@@ -157,3 +157,27 @@ class SwiGLUMLP(nn.Module):
         gate_up = linear(x, self.gate_up_proj)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return linear(F.silu(gate) * up, self.down_proj)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: normalise and scale by (1 + weight), both in float32, then round to the
+    input dtype (Llama rounds before scaling by the weight; Gemma after)."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = _empty_param(hidden_size, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (self.hidden_size,), None, self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GeGLUMLP(SwiGLUMLP):
+    """down(gelu_tanh(gate(x)) * up(x)): Gemma's MLP, laid out as SwiGLUMLP (fused gate_up)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = linear(x, self.gate_up_proj)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return linear(F.gelu(gate, approximate="tanh") * up, self.down_proj)
