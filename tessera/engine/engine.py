@@ -25,6 +25,7 @@ from tessera.engine.request import Sequence, SequenceStatus
 from tessera.engine.sampler import Sampler
 from tessera.engine.scheduler import Scheduler
 from tessera.engine.swap import HostBlockPool, PreemptionPolicy, measure_swap_costs, num_host_kv_blocks
+from tessera.model.base import kv_window
 from tessera.model.download import resolve_model_path
 from tessera.model.registry import build_model
 from tessera.model.tokenizer import Tokenizer
@@ -127,6 +128,7 @@ class LLMEngine:
             kv=self.kv,
             host=self.host_pool,
             preemption=PreemptionPolicy(mode, costs),
+            sliding_window=kv_window(model.kv_layout()),
         )
         self.sampler = Sampler()
         self.spec = SpeculativeDecoder.from_config(config, self.kv, self.max_model_len, num_blocks, self.dtype,

@@ -47,6 +47,13 @@ class LayerKV:
     sliding_window: int | None
 
 
+def kv_window(layout: list[LayerKV]) -> int | None:
+    """How far back any layer reads (the blocks behind it can be freed), or None when some layer
+    attends to the whole context."""
+    windows = [layer.sliding_window for layer in layout]
+    return None if not windows or any(w is None for w in windows) else max(windows)
+
+
 class CausalLM(nn.Module, ABC):
     """A decoder-only LM over the paged KV cache. Weights are uninitialised until `load_weights`.
 
