@@ -82,7 +82,9 @@ def scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     itself (0.6 ms vs 0.2 ms to convert 1.8M int8 weights)."""
     key = (dtype, device)
     buf = _scratch.get(key)
-    if buf is None or buf.numel() < numel:
+    # A buffer made under inference_mode cannot be written outside it (a model forward makes
+    # one, a kernel called directly later would fail): make a fresh one then.
+    if buf is None or buf.numel() < numel or (buf.is_inference() and not torch.is_inference_mode_enabled()):
         buf = _scratch[key] = torch.empty(numel, dtype=dtype, device=device)
     return buf[:numel]
 
