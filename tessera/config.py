@@ -25,7 +25,8 @@ SPARSITY_PATTERNS = ("none", "2:4")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture hyperparameters of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM)."""
+    """Architecture hyperparameters of a decoder-only model; `architecture` names its family in
+    tessera.model.registry, which also says which of the optional fields each family reads."""
 
     architecture: str
     vocab_size: int
@@ -44,12 +45,40 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2 has biases on q, k and v
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Sliding-window attention: a layer of type "sliding_attention" sees only the last
+    # `sliding_window` positions (itself included). layer_types None = every layer is windowed
+    # when sliding_window is set (Mistral), else every layer is global.
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    hidden_act: str = "silu"  # the MLP gate's activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
+    # Gemma 3: the rope base of its sliding layers, the attention scale (query_pre_attn_scalar
+    # ** -0.5 instead of head_dim ** -0.5) and tanh soft-capping of the final logits.
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})"
             )
+        if self.layer_types is not None and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The sliding window of layer `layer_idx` in tokens, or None for a global layer."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer_idx] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def kv_window(self) -> int | None:
+        """Positions further back than this are read by no layer (their KV blocks can be freed);
+        None when some layer attends to the whole context."""
+        windows = [self.layer_window(i) for i in range(self.num_layers)]
+        return None if any(w is None for w in windows) else max(windows)
 
     def kv_bytes_per_token(self, element_size: int) -> int:
         """Bytes of K and V one token occupies across all layers."""

@@ -39,7 +39,7 @@ class PerplexityResult:
 @torch.inference_mode()
 def perplexity(model, token_ids: list[int], window: int = 512, stride: int = 384,
                block_size: int = 16) -> PerplexityResult:
-    """Sliding-window perplexity of `model` (a LlamaForCausalLM) over `token_ids`: windows of
+    """Sliding-window perplexity of `model` (a CausalLM) over `token_ids`: windows of
     `window` tokens every `stride` (< window) tokens, each token but the first scored once."""
     if len(token_ids) < 2:
         raise ValueError("perplexity needs at least 2 tokens")
@@ -72,18 +72,15 @@ def load_model(model: str, dtype: str = "float32", quantization: str = "none", q
                quant_group_size: int = 32):
     """(model, tokenizer) loaded and quantized the way LLMEngine does it, without the engine."""
     from tessera.model.download import resolve_model_path
-    from tessera.model.llama import LlamaForCausalLM
+    from tessera.model.registry import build_model
     from tessera.model.tokenizer import Tokenizer
     from tessera.model.weights import load_model_files
-    from tessera.quant import quantize_model
 
     path = resolve_model_path(model)
     files = load_model_files(path)
-    m = LlamaForCausalLM(files.config, resolve_dtype(dtype))
-    m.load_weights(files.weights())
-    quantize_model(m, quantization, quantize_lm_head=quantize_lm_head, group_size=quant_group_size,
-                   model_files=files)
-    return m.eval(), Tokenizer(path, files.config)
+    m = build_model(files, resolve_dtype(dtype), quantization=quantization, quantize_lm_head=quantize_lm_head,
+                    quant_group_size=quant_group_size)
+    return m, Tokenizer(path, files.config)
 
 
 def text_token_ids(tokenizer, path: str | Path = DEFAULT_TEXT) -> list[int]:

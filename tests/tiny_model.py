@@ -55,8 +55,10 @@ def make_tiny_model_dir(
     max_position_embeddings: int = 512,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    sliding_window: int | None = None,
 ) -> Path:
-    """Write a tiny random Llama (or Qwen2, with q/k/v biases) folder into `tmp_path`; return it.
+    """Write a tiny random Llama (or Qwen2, with q/k/v biases, or Mistral with `sliding_window`)
+    folder into `tmp_path`; return it.
 
     num_kv_heads picks MHA (= num_heads), GQA or MQA (1). rope_scaling is an HF dict, e.g.
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -90,8 +92,12 @@ def make_tiny_model_dir(
             raise ValueError("Qwen2 needs head_dim * num_heads == hidden_size")
         config = transformers.Qwen2Config(**common, rope_parameters=rope)
         model_class = transformers.Qwen2ForCausalLM
+    elif model_type == "mistral":  # Llama with a sliding window on every layer
+        config = transformers.MistralConfig(**common, head_dim=head_dim, rope_parameters=rope,
+                                            sliding_window=sliding_window)
+        model_class = transformers.MistralForCausalLM
     else:
-        raise ValueError(f"model_type {model_type!r}: choose llama or qwen2")
+        raise ValueError(f"model_type {model_type!r}: choose llama, qwen2 or mistral")
 
     torch.manual_seed(seed)
     model = model_class(config)

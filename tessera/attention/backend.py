@@ -19,7 +19,7 @@ from tessera.attention.metadata import AttentionMetadata
 class AttentionBackend(ABC):
     """Paged attention over the flattened batch described by `AttentionMetadata`.
 
-    Contract of `forward(layer_idx, q, k, v, kv_cache, metadata, scale) -> [T, H*d]`:
+    Contract of `forward(layer_idx, q, k, v, kv_cache, metadata, scale, sliding_window=None) -> [T, H*d]`:
 
     - Shapes: q [T, H, d], k and v [T, Hkv, d] (rotary already applied; they may be strided
       views), with Hkv dividing H (MHA, GQA, MQA). kv_cache is this layer's `(k_cache, v_cache)`,
@@ -32,6 +32,8 @@ class AttentionBackend(ABC):
     - Each `PrefillSpan` attends to its `context_slots`, causally with the offset
       `context_len - query_len` (query row j sees context positions 0 .. offset + j).
     - Returns the attention output in q's dtype, heads concatenated: [T, H * d].
+    - `sliding_window` W (optional, None = the whole context): query at position p attends only
+      to positions p - W + 1 .. p. Context slots behind the window may point at block 0.
     - Block 0 (slots 0 .. block_size-1) is the padding target: it must hold finite values (the
       cache from `allocate_kv_cache` is zero-filled) since masked-out rows still enter a matmul.
 
@@ -58,6 +60,7 @@ class AttentionBackend(ABC):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Write k/v into kv_cache at metadata.slot_mapping, then attend; returns [T, H*d]."""
 

@@ -5,8 +5,8 @@ its own context through the block table, in place (no gathered copy of the conte
 16-position tiles with an fp32 online softmax. A row's output therefore does not depend on the
 batch, on where a prefill chunk starts, or on whether its prefix came from the cache.
 
-Quantized KV caches (--kv-cache-dtype int8/fp8) and head dims the kernel has no instance for go
-through the plain torch backend this class extends.
+Quantized KV caches (--kv-cache-dtype int8/fp8), sliding-window layers and head dims the kernel
+has no instance for go through the plain torch backend this class extends.
 """
 
 from __future__ import annotations
@@ -68,11 +68,13 @@ class InvariantCPUAttention(TorchCPUAttention):
         super().begin_step(metadata)
         self._kernel_plan = None
 
-    def forward(self, layer_idx, q, k, v, kv_cache, metadata, scale):
+    def forward(self, layer_idx, q, k, v, kv_cache, metadata, scale, sliding_window=None):
         k_cache = kv_cache[0]
-        if (is_quantized(kv_cache) or q.shape[-1] not in _HEAD_DIMS or k_cache.dtype != q.dtype
-                or q.device.type != "cpu" or not kernels.available() or metadata.block_size is None):
-            return super().forward(layer_idx, q, k, v, kv_cache, metadata, scale)
+        # Sliding-window layers (Mistral, Gemma 3's local layers) take the torch path's masks.
+        if (sliding_window is not None or is_quantized(kv_cache) or q.shape[-1] not in _HEAD_DIMS
+                or k_cache.dtype != q.dtype or q.device.type != "cpu" or not kernels.available()
+                or metadata.block_size is None):
+            return super().forward(layer_idx, q, k, v, kv_cache, metadata, scale, sliding_window)
         v_cache = kv_cache[1]
         k_cache.index_copy_(0, metadata.slot_mapping, k)
         v_cache.index_copy_(0, metadata.slot_mapping, v)

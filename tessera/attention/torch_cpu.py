@@ -14,11 +14,16 @@ tessera.attention.cascade: the shared K/V are gathered once instead of once per 
 Prefill spans use SDPA in the model dtype: a fresh prompt attends to its own new K/V with
 is_causal (no cache read); a chunk with earlier context gathers its context from the cache and
 uses a bottom-right causal mask built once per step.
+
+A layer with a sliding window W (Mistral, Gemma 3's local layers) masks every key more than
+W - 1 positions behind its query, as transformers does; the masks are built once per step and
+window. Keys behind the window may sit in block 0 (the scheduler frees blocks that fell out of
+every layer's window), which is why they must be masked, not just ignored.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +55,8 @@ class _StepPlan:
     # head-major rows of its context and its [query_len, context_len] bool mask.
     span_rows: list[torch.Tensor | None]
     span_masks: list[torch.Tensor | None]
+    # Sliding windows seen this step: window -> (decode bias, span masks) with the window applied.
+    windowed: dict[int, tuple[torch.Tensor | None, list[torch.Tensor | None]]] = field(default_factory=dict)
 
 
 def _build_plan(metadata: AttentionMetadata, num_kv_heads: int, device: torch.device) -> _StepPlan:
@@ -107,6 +114,34 @@ def _build_plan(metadata: AttentionMetadata, num_kv_heads: int, device: torch.de
     )
 
 
+def _window_masks(plan: _StepPlan, window: int, device: torch.device) -> tuple[torch.Tensor | None, list]:
+    """The step's decode bias and span masks with keys further than window - 1 positions behind
+    each query masked out (transformers: kv_idx > q_idx - window)."""
+    metadata = plan.metadata
+    decode_bias = None
+    if metadata.num_decode_tokens:
+        batch, max_context = plan.decode_shape
+        if metadata.decode_mask is not None:
+            lens = metadata.decode_mask.reshape(batch, max_context).sum(-1, keepdim=True)
+        else:
+            lens = torch.full((batch, 1), max_context, device=device)
+        keep = torch.arange(max_context, device=device).view(1, -1) > lens - 1 - window
+        decode_bias = torch.zeros(batch, 1, 1, max_context, dtype=torch.float32, device=device)
+        decode_bias.masked_fill_(~keep.view(batch, 1, 1, max_context), float("-inf"))
+        if plan.decode_bias is not None:
+            decode_bias.add_(plan.decode_bias)
+    span_masks: list[torch.Tensor | None] = []
+    for span in metadata.prefills:
+        offset = span.context_len - span.query_len
+        if offset == 0 and span.query_len <= window:
+            span_masks.append(None)  # plain causal attention already stays inside the window
+            continue
+        query_pos = torch.arange(span.query_len, device=device).view(-1, 1) + offset
+        key_pos = torch.arange(span.context_len, device=device).view(1, -1)
+        span_masks.append((key_pos <= query_pos) & (key_pos > query_pos - window))
+    return decode_bias, span_masks
+
+
 class TorchCPUAttention(AttentionBackend):
     """The reference backend: PyTorch ops only, fastest on CPU, also correct on CUDA."""
 
@@ -162,6 +197,7 @@ class TorchCPUAttention(AttentionBackend):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         num_tokens, num_heads, head_dim = q.shape
@@ -175,15 +211,21 @@ class TorchCPUAttention(AttentionBackend):
         else:
             k, v = write_quantized(kv_cache, k, v, metadata.slot_mapping, q.dtype)
         plan = self._plan_for(metadata, num_kv_heads, q.device)
+        decode_bias, span_masks = plan.decode_bias, plan.span_masks
+        if sliding_window is not None:
+            if sliding_window not in plan.windowed:
+                plan.windowed[sliding_window] = _window_masks(plan, sliding_window, q.device)
+            decode_bias, span_masks = plan.windowed[sliding_window]
 
         pieces: list[tuple[int, torch.Tensor]] = []  # (first token, [n, H*d] output)
         num_decodes = metadata.num_decode_tokens
         if num_decodes:
-            pieces.append((0, self._decode(q[:num_decodes], k_cache, v_cache, plan, scale, k_scales, v_scales)))
-        for span, rows, mask in zip(metadata.prefills, plan.span_rows, plan.span_masks, strict=True):
+            pieces.append((0, self._decode(q[:num_decodes], k_cache, v_cache, plan, scale, k_scales, v_scales,
+                                           decode_bias, windowed=sliding_window is not None)))
+        for span, rows, mask in zip(metadata.prefills, plan.span_rows, span_masks, strict=True):
             end = span.query_start + span.query_len
             qs = q[span.query_start : end].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
-            if rows is None:
+            if rows is None:  # a fresh prompt: its own K/V (masked too when longer than a window)
                 ks = k[span.query_start : end].transpose(0, 1).unsqueeze(0)
                 vs = v[span.query_start : end].transpose(0, 1).unsqueeze(0)
                 ks, vs = ks.to(q.dtype), vs.to(q.dtype)
@@ -216,13 +258,14 @@ class TorchCPUAttention(AttentionBackend):
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _StepPlan, scale: float,
         k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+        decode_bias: torch.Tensor | None = None, windowed: bool = False,
     ) -> torch.Tensor:
         """Batched decode attention in float32: q [B, H, d] -> [B, H*d].
 
         With a quantized cache the codes are converted to float and the scales applied where it
         is cheapest: a key's scale to its score column (q . (s k) = s (q . k)), a value's to its
         probability (sum p_l s_l v_l), i.e. g * L multiplies per head instead of L * d."""
-        if plan.decode_prefix_len and k_scales is None:
+        if plan.decode_prefix_len and k_scales is None and not windowed:
             return self._cascade_decode(q, k_cache, v_cache, plan, scale)
         batch, max_context = plan.decode_shape
         num_heads, head_dim = q.shape[1], q.shape[2]
@@ -234,8 +277,8 @@ class TorchCPUAttention(AttentionBackend):
         scores = torch.matmul(grouped_q, keys.transpose(-1, -2))  # [B, Hkv, g, L]
         if k_scales is not None:
             scores.mul_(self._gather(k_scales, plan.decode_rows, shape[:3], "ks", torch.float32).unsqueeze(2))
-        if plan.decode_bias is not None:
-            scores.add_(plan.decode_bias)
+        if decode_bias is not None:
+            scores.add_(decode_bias)
         probs = torch.softmax(scores, dim=-1)
         if v_scales is not None:
             probs.mul_(self._gather(v_scales, plan.decode_rows, shape[:3], "vs", torch.float32).unsqueeze(2))

@@ -218,7 +218,11 @@ class TritonAttention(AttentionBackend):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
+        if sliding_window is not None:
+            raise NotImplementedError("sliding-window attention is implemented in the torch attention backend "
+                                      "only: use --attention-backend torch for this model")
         k_cache, v_cache = kv_cache
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]

@@ -26,12 +26,12 @@ from tessera.engine.request import Sequence, SequenceStatus
 from tessera.engine.sampler import Sampler
 from tessera.engine.scheduler import Scheduler
 from tessera.engine.swap import HostBlockPool, PreemptionPolicy, measure_swap_costs, num_host_kv_blocks
+from tessera.model.base import kv_window
 from tessera.model.download import resolve_model_path
-from tessera.model.llama import LlamaForCausalLM
+from tessera.model.registry import build_model
 from tessera.model.tokenizer import Tokenizer
 from tessera.model.weights import load_model_files
 from tessera.outputs import RequestMetrics, RequestOutput
-from tessera.quant import quantize_model
 from tessera.quant.kv import kv_bytes_per_token
 from tessera.sampling import SamplingParams
 from tessera.spec.decoder import SpeculativeDecoder
@@ -107,12 +107,9 @@ class LLMEngine:
         self.max_model_len = config.resolve_max_model_len(mc)  # refused before the weights load
         self.dtype = resolve_dtype(config.dtype)
         t0 = time.perf_counter()
-        model = LlamaForCausalLM(mc, self.dtype, device=config.device, attn_backend=config.attention_backend)
-        model.load_weights(files.weights())
-        quantize_model(model, config.quantization, quantize_lm_head=config.quantize_lm_head,
-                       group_size=config.quant_group_size, model_files=files, sparsity=config.sparsity)
+        model = build_model(files, self.dtype, config.device, config.attention_backend, config.quantization,
+                            config.quantize_lm_head, config.quant_group_size, config.sparsity)
         prepare_step_kernels(model, config, self.dtype)
-        model.eval()
         self.tokenizer = Tokenizer(resolve_model_path(config.tokenizer) if config.tokenizer else path, mc,
                                    chat_template=config.chat_template)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
@@ -135,6 +132,7 @@ class LLMEngine:
             kv=self.kv,
             host=self.host_pool,
             preemption=PreemptionPolicy(mode, costs),
+            sliding_window=kv_window(model.kv_layout()),
         )
         self.sampler = Sampler()
         self.spec = SpeculativeDecoder.from_config(config, self.kv, self.max_model_len, num_blocks, self.dtype,

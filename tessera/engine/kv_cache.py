@@ -22,6 +22,10 @@ continues into the host index; host-resident blocks of a hit are promoted: they 
 device blocks and are copied back before the step's forward pass. The copies are collected here
 and handed to the scheduler by `take_block_copies`, so they run batched with the swap copies.
 
+Sliding-window models (every layer windowed, e.g. Mistral): `release_before` frees the blocks
+that fell out of the window; their table entries become 0, the padding block, so positions still
+index the table and attention masks them (tessera.attention.backend's sliding_window).
+
 No copy-on-write is needed: only full blocks whose K/V are already computed are ever shared,
 and a sequence writes K/V only at positions >= its num_computed_tokens, which lie past the end
 of every block it shares (admission never lets a hit cover the last token). So nobody ever
@@ -90,6 +94,8 @@ class KVCacheManager:
         # seq_id -> chained hashes of the sequence's leading full computed blocks, so each
         # block is hashed once and the next block's parent hash is at hand.
         self._seq_hashes: dict[int, list[bytes]] = {}
+        # seq_id -> leading table entries already freed by release_before (now 0).
+        self._num_released: dict[int, int] = {}
         # Metrics: prefix-cache queries and hits in tokens (at admission), cached blocks evicted.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -229,9 +235,24 @@ class KVCacheManager:
         Tail first, so that among a sequence's cached blocks the head of its prefix, the part
         other requests are most likely to share, is evicted last.
         """
-        self._release(reversed(seq.block_table))
+        self._release(b for b in reversed(seq.block_table) if b != 0)  # 0: released by release_before
         seq.block_table = []
         self._seq_hashes.pop(seq.seq_id, None)
+        self._num_released.pop(seq.seq_id, None)
+
+    def release_before(self, seq: Sequence, position: int) -> int:
+        """Free seq's blocks that hold only positions before `position` (sliding-window
+        attention: no layer reads them again); their table entries become 0. Returns how many
+        blocks were freed. Oldest first, so they are evicted before the rest of the prefix."""
+        end = min(max(position, 0) // self.block_size, len(seq.block_table))
+        start = self._num_released.get(seq.seq_id, 0)
+        if end <= start:
+            return 0
+        table = seq.block_table
+        self._release(b for b in table[start:end] if b != 0)
+        table[start:end] = [0] * (end - start)
+        self._num_released[seq.seq_id] = end
+        return end - start
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Keep only the blocks covering seq's first num_tokens positions; free the rest.
@@ -302,11 +323,13 @@ class KVCacheManager:
         """
         holders: Counter[int] = Counter()
         for seq in seqs:
-            table = seq.block_table
+            released = self._num_released.get(seq.seq_id, 0)
+            _require(all(b == 0 for b in seq.block_table[:released]), f"seq {seq.seq_id}: a released entry is not 0")
+            table = seq.block_table[released:]  # entries before are 0: released out of the window
             _require(len(set(table)) == len(table), f"seq {seq.seq_id} holds a block twice: {table}")
             _require(
-                seq.num_computed_tokens <= len(table) * self.block_size,
-                f"seq {seq.seq_id}: {seq.num_computed_tokens} computed tokens but {len(table)} blocks",
+                seq.num_computed_tokens <= len(seq.block_table) * self.block_size,
+                f"seq {seq.seq_id}: {seq.num_computed_tokens} computed tokens but {len(seq.block_table)} blocks",
             )
             holders.update(table)
         pad = self.blocks[0]

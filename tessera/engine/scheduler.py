@@ -79,8 +79,11 @@ class Scheduler:
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, host: HostBlockPool | None = None,
-                 preemption: PreemptionPolicy | None = None) -> None:
+                 preemption: PreemptionPolicy | None = None, sliding_window: int | None = None) -> None:
         self.kv = kv
+        # Every layer of the model attends to at most this many positions (None: some layer
+        # reads the whole context): blocks behind it are freed before each step.
+        self.sliding_window = sliding_window
         self.host = host  # the host KV pool, None without --swap-space
         if host is not None:
             kv.attach_host_tier(host)  # evicted cached blocks are demoted there, hits promoted back
@@ -116,6 +119,8 @@ class Scheduler:
         max_tokens = seq.sampling_params.max_tokens
         total = self.max_model_len if max_tokens is None else min(n + max_tokens, self.max_model_len)
         needed = self.kv.num_blocks_for(total)
+        if self.sliding_window is not None:  # blocks behind the window are freed as it moves
+            needed = min(needed, self.kv.num_blocks_for(self.sliding_window + self.max_num_batched_tokens) + 1)
         if needed > self.kv.num_usable_blocks:
             asked = f"prompt {n} + max_tokens {max_tokens}" if max_tokens is not None else f"prompt {n}, no max_tokens"
             raise ValueError(
@@ -191,6 +196,10 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted in this step to make room for an older sequence
             num_new = min(self._num_uncomputed(seq), budget)
+            if self.sliding_window is not None:
+                # This step's queries start at num_computed_tokens; the first key any of them
+                # reads is sliding_window - 1 positions before that.
+                self.kv.release_before(seq, seq.num_computed_tokens - self.sliding_window + 1)
             if self._allocate_or_preempt(seq, num_new, preempted):
                 scheduled.append(ScheduledSeq(seq, num_new))
                 budget -= num_new

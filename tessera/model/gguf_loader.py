@@ -2,9 +2,10 @@
 
 Tensors are memory-mapped by `gguf.GGUFReader` and dequantized one at a time with
 `gguf.quants.dequantize` (vectorized numpy), so loading never holds more than one dequantized
-tensor. Two things llama.cpp's converter changed are undone here: it renamed every tensor
-(`blk.N.attn_q` ...), and for the llama architecture it permuted the rows of attn_q / attn_k so
-its rope could rotate adjacent pairs; Hugging Face layers rotate the two halves of each head.
+tensor. What llama.cpp's converter changed is undone here: it renamed every tensor
+(`blk.N.attn_q` ...; each family's class lists its names), for the llama architecture it
+permuted the rows of attn_q / attn_k so its rope could rotate adjacent pairs (Hugging Face
+layers rotate the two halves of each head), and for Gemma it stored norm weights as 1 + w.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import gguf
@@ -21,11 +22,10 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from tessera.config import ModelConfig
+from tessera.model.registry import architecture_from_gguf, model_class
 from tessera.model.weights import ModelFiles
 
 logger = logging.getLogger("tessera")
-
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")  # Mistral GGUFs say "llama"
 
 # Types we read. All the block formats are dequantized by the gguf package; the IQ* and ternary
 # formats it also knows are left out until something here tests them.
@@ -35,35 +35,22 @@ SUPPORTED_TYPES = (
     Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
 )
 
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
 _LAYER_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Precomputed llama3 rope factors; folded back into config.rope_scaling, not a weight.
 _ROPE_FREQS = "rope_freqs.weight"
+RowTransform = Callable[[torch.Tensor], torch.Tensor]
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face Llama name of a GGUF tensor, or None when there is none."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = _LAYER_PATTERN.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
-    return None
+def gguf_name_map(model_cls: type, tensor_names) -> dict[str, str]:
+    """GGUF tensor name -> Hugging Face name, for the tensors of `tensor_names` that `model_cls`
+    (a CausalLM class) knows."""
+    mapping = {}
+    for name in tensor_names:
+        if name in model_cls.GGUF_GLOBAL_NAMES:
+            mapping[name] = model_cls.GGUF_GLOBAL_NAMES[name]
+        elif (m := _LAYER_PATTERN.fullmatch(name)) and m.group(2) in model_cls.GGUF_LAYER_NAMES:
+            mapping[name] = f"model.layers.{m.group(1)}.{model_cls.GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return mapping
 
 
 def unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -76,23 +63,42 @@ class GGUFModelFiles(ModelFiles):
         self.path = Path(path)
         self.reader = _open_reader(self.path)
         self.tensors = {t.name: t for t in self.reader.tensors}
+        self.gguf_architecture = str(self._field("general.architecture"))
+        self.model_class = model_class(architecture_from_gguf(self.gguf_architecture, str(self.path)))
+        self.hf_names = gguf_name_map(self.model_class, self.tensors)
+        self._gguf_names = {hf: g for g, hf in self.hf_names.items()}
         self._check_tensors()
         self.config = self._read_config()
         logger.info("opened GGUF %s: %s, %d layers, %d tensors", self.path.name,
                     self.config.architecture, self.config.num_layers, len(self.tensors))
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        unpermute = self._field("general.architecture") == "llama"
+        offset = self.model_class.GGUF_NORM_OFFSET
         for t in self.reader.tensors:
-            name = hf_name(t.name)
+            name = self.hf_names.get(t.name)
             if name is None:  # rope_freqs, already in the config
                 continue
             w = _dequantize(t)
-            if unpermute and name.endswith("q_proj.weight"):
-                w = unpermute_rope_rows(w, self.config.num_heads)
-            elif unpermute and name.endswith("k_proj.weight"):
-                w = unpermute_rope_rows(w, self.config.num_kv_heads)
+            if (transform := self.row_transform(name)) is not None:
+                w = transform(w)
+            if offset and name.endswith("norm.weight"):
+                w = w - offset
             yield name, w
+
+    def source_tensor(self, hf_name: str):
+        """The GGUF tensor (a gguf ReaderTensor) holding the HF weight `hf_name`."""
+        return self.tensors[self._gguf_names[hf_name]]
+
+    def row_transform(self, hf_name: str) -> RowTransform | None:
+        """What turns the rows of the GGUF tensor behind `hf_name` into the HF row order (llama's
+        q/k rope permutation), or None; applies to any per-row tensor (codes, scales) as well."""
+        if self.gguf_architecture != "llama":
+            return None
+        if hf_name.endswith("q_proj.weight"):
+            return lambda w: unpermute_rope_rows(w, self.config.num_heads)
+        if hf_name.endswith("k_proj.weight"):
+            return lambda w: unpermute_rope_rows(w, self.config.num_kv_heads)
+        return None
 
     def _field(self, key: str, default=None):
         field = self.reader.fields.get(key)
@@ -109,22 +115,17 @@ class GGUFModelFiles(ModelFiles):
                     f"cannot read; supported types: {', '.join(q.name for q in SUPPORTED_TYPES)}. "
                     f"Re-quantize the model to one of these (llama-quantize)."
                 )
-            if hf_name(t.name) is None and t.name != _ROPE_FREQS:
+            if t.name not in self.hf_names and t.name != _ROPE_FREQS:
                 raise ValueError(
-                    f"{self.path}: unexpected tensor {t.name!r} for a Llama-family model "
-                    f"(architectures supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+                    f"{self.path}: unexpected tensor {t.name!r} for a {self.gguf_architecture} model "
+                    f"({self.model_class.__name__} has no such parameter)"
                 )
         for required in ("token_embd.weight", "output_norm.weight"):
             if required not in self.tensors:
                 raise ValueError(f"{self.path}: tensor {required!r} is missing")
 
     def _read_config(self) -> ModelConfig:
-        arch = self._field("general.architecture")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"{self.path}: GGUF architecture {arch!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        arch = self.gguf_architecture
 
         def hparam(key: str, default=None):
             value = self._field(f"{arch}.{key}", default)
@@ -140,8 +141,9 @@ class GGUFModelFiles(ModelFiles):
         rope_theta = _float32(hparam("rope.freq_base", 10000.0))
         eos = [self._field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         name = str(self._field("general.name", "")).lower()
-        return ModelConfig(
-            architecture="mistral" if arch == "llama" and "mistral" in name else arch,
+        ours = architecture_from_gguf(arch, str(self.path))
+        fields = dict(
+            architecture="mistral" if ours == "llama" and "mistral" in name else ours,
             vocab_size=vocab_size,
             hidden_size=hidden,
             intermediate_size=hparam("feed_forward_length"),
@@ -158,6 +160,9 @@ class GGUFModelFiles(ModelFiles):
             bos_token_id=self._field("tokenizer.ggml.bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
         )
+        # What llama.cpp hard-codes per family rather than stores (Gemma 3's layer pattern...).
+        fields.update(self.model_class.gguf_config(fields, lambda key, default=None: self._field(f"{arch}.{key}", default)))
+        return ModelConfig(**fields)
 
     def _rope_scaling(self, arch: str, rope_theta: float, head_dim: int) -> dict | None:
         if _ROPE_FREQS in self.tensors:

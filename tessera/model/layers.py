@@ -63,20 +63,27 @@ class RMSNorm(nn.Module):
         return self._norm(x), x
 
 
-_ROPE_TYPES = ("default", "linear", "llama3")
+_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn")
 
 
-def rope_inverse_frequencies(head_dim: int, theta: float, rope_scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] (float32) for the rope types HF calls default, linear
-    and llama3; anything else (dynamic NTK, yarn, longrope) is refused with a clear error."""
+def rope_inverse_frequencies(head_dim: int, theta: float, rope_scaling: dict | None,
+                             max_position_embeddings: int = 2048) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [head_dim // 2] float32, cos/sin scale) for the rope types HF calls
+    default, linear, llama3, dynamic and yarn; anything else (longrope...) is refused clearly.
+
+    dynamic (NTK): transformers keeps the unscaled frequencies up to max_position_embeddings and
+    rescales the base past it; tessera caps max_model_len there, so the unscaled ones are exact.
+    yarn: frequencies blended between interpolated and extrapolated by a linear ramp over the
+    dimensions, and cos/sin scaled by the attention factor, as transformers computes them.
+    """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if not rope_scaling:
-        return inv_freq
+        return inv_freq, 1.0
     rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
+    if rope_type in ("default", "dynamic"):
+        return inv_freq, 1.0
     if rope_type == "linear":
-        return inv_freq / float(rope_scaling["factor"])
+        return inv_freq / float(rope_scaling["factor"]), 1.0
     if rope_type == "llama3":
         factor = float(rope_scaling["factor"])
         low_freq_factor = float(rope_scaling["low_freq_factor"])
@@ -90,11 +97,41 @@ def rope_inverse_frequencies(head_dim: int, theta: float, rope_scaling: dict | N
         smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
+        return torch.where(is_medium, smoothed, scaled), 1.0
+    if rope_type == "yarn":
+        return _yarn(head_dim, theta, rope_scaling, max_position_embeddings)
     raise NotImplementedError(
         f"rope_scaling type {rope_type!r} is not supported (supported: {', '.join(_ROPE_TYPES)}); "
         "remove rope_scaling from the model's config.json or pick another model"
     )
+
+
+def _yarn(dim: int, theta: float, scaling: dict, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    original = scaling.get("original_max_position_embeddings") or max_position_embeddings
+    factor = scaling.get("factor") or max_position_embeddings / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolation = 1 - torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -114,9 +151,9 @@ class RotaryEmbedding(nn.Module):
     ):
         super().__init__()
         self.head_dim = head_dim
-        self.register_buffer(
-            "inv_freq", rope_inverse_frequencies(head_dim, rope_theta, rope_scaling).to(device), persistent=False
-        )
+        inv_freq, self.attention_scaling = rope_inverse_frequencies(head_dim, rope_theta, rope_scaling,
+                                                                    max_position_embeddings)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self._cos = torch.empty(0, head_dim // 2, device=device)
         self._sin = torch.empty(0, head_dim // 2, device=device)
         self._grow(max_position_embeddings)
@@ -125,6 +162,8 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(num_positions, dtype=torch.float32, device=self.inv_freq.device)
         freqs = torch.outer(t, self.inv_freq)  # same values as HF's inv_freq @ positions in fp32
         self._cos, self._sin = freqs.cos(), freqs.sin()
+        if self.attention_scaling != 1.0:  # yarn scales cos and sin, as transformers does
+            self._cos, self._sin = self._cos * self.attention_scaling, self._sin * self.attention_scaling
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of each token's position: [T, 1, head_dim // 2] in `dtype`."""
@@ -165,3 +204,27 @@ class SwiGLUMLP(nn.Module):
         gate_up = linear(x, self.gate_up_proj)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return linear(F.silu(gate) * up, self.down_proj)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: normalise and scale by (1 + weight), both in float32, then round to the
+    input dtype (Llama rounds before scaling by the weight; Gemma after)."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = _empty_param(hidden_size, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (self.hidden_size,), None, self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GeGLUMLP(SwiGLUMLP):
+    """down(gelu_tanh(gate(x)) * up(x)): Gemma's MLP, laid out as SwiGLUMLP (fused gate_up)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = linear(x, self.gate_up_proj)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return linear(F.gelu(gate, approximate="tanh") * up, self.down_proj)

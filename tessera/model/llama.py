@@ -1,27 +1,27 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) over a paged KV cache.
+"""The Llama-family decoder over a paged KV cache: Llama 2/3, Mistral, Qwen2, SmolLM (and the
+base of Qwen3 and Phi-3, which add to it in their own files).
 
 The forward pass works on the flattened batch of one step (no batch dim): T tokens, each with
 its position, attending through the attention backend to the cache as the step's
 `AttentionMetadata` describes. q/k/v and gate/up are fused into one weight each at load time.
+A layer with a sliding window (Mistral, config.layer_window) passes it to the backend.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
-from tessera.attention.backend import AttentionBackend, get_attention_backend
+from tessera.attention.backend import AttentionBackend
 from tessera.attention.metadata import AttentionMetadata
 from tessera.config import ModelConfig
+from tessera.model.base import CausalLM, KVCache, WeightTargets, whole
 from tessera.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, _empty_param, apply_rotary, embedding, linear
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend, dtype: torch.dtype, device):
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend, dtype: torch.dtype, device,
+                 qk_norm: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
         self.backend = backend
@@ -29,11 +29,15 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
+        self.sliding_window = config.layer_window(layer_idx)
         qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
         self.qkv_proj = _empty_param(qkv_rows, config.hidden_size, dtype=dtype, device=device)
         # attention_bias (Qwen2) means biases on q, k and v; o_proj never has one here.
         self.qkv_bias = _empty_param(qkv_rows, dtype=dtype, device=device) if config.attention_bias else None
         self.o_proj = _empty_param(config.hidden_size, config.num_heads * config.head_dim, dtype=dtype, device=device)
+        # Qwen3: RMSNorm over each head of q and k, before rotary.
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device) if qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device) if qk_norm else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata
@@ -41,18 +45,23 @@ class LlamaAttention(nn.Module):
         num_tokens = x.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = linear(x, self.qkv_proj, self.qkv_bias)
+        qk = qkv[:, : (h + hkv) * d].view(num_tokens, h + hkv, d)
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
         # Rotate q and k together: one set of elementwise ops for both.
-        qk = apply_rotary(qkv[:, : (h + hkv) * d].view(num_tokens, h + hkv, d), cos, sin)
+        qk = apply_rotary(qk, cos, sin)
         v = qkv[:, (h + hkv) * d :].view(num_tokens, hkv, d)
-        out = self.backend.forward(self.layer_idx, qk[:, :h], qk[:, h:], v, kv_cache, metadata, self.scale)
+        out = self.backend.forward(self.layer_idx, qk[:, :h], qk[:, h:], v, kv_cache, metadata, self.scale,
+                                   sliding_window=self.sliding_window)
         return linear(out, self.o_proj)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend, dtype: torch.dtype, device):
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend, dtype: torch.dtype, device,
+                 qk_norm: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(config, layer_idx, backend, dtype, device)
+        self.self_attn = LlamaAttention(config, layer_idx, backend, dtype, device, qk_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, dtype, device)
 
@@ -75,8 +84,10 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class LlamaForCausalLM(nn.Module):
-    """Llama-family causal LM. Weights are uninitialised until `load_weights`."""
+class LlamaForCausalLM(CausalLM):
+    """Llama-family causal LM (the CausalLM contract in tessera.model.base)."""
+
+    QK_NORM = False  # Qwen3 sets it
 
     def __init__(
         self,
@@ -85,16 +96,11 @@ class LlamaForCausalLM(nn.Module):
         device: str | torch.device = "cpu",
         attn_backend: str | AttentionBackend = "auto",
     ):
-        super().__init__()
-        self.config = config
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self.attn_backend = (
-            attn_backend if isinstance(attn_backend, AttentionBackend) else get_attention_backend(attn_backend, device)
-        )
+        super().__init__(config, dtype, device, attn_backend)
         self.embed_tokens = _empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.attn_backend, dtype, device) for i in range(config.num_layers)
+            LlamaDecoderLayer(config, i, self.attn_backend, dtype, device, self.QK_NORM)
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         if config.tie_word_embeddings:
@@ -125,35 +131,12 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden] (only the rows to sample) -> logits [n, vocab] in float32."""
-        return linear(hidden, self.lm_head).float()
-
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> list[KVCache]:
-        """Zero-filled (k_cache, v_cache) per layer, each [num_blocks * block_size, Hkv, head_dim].
-
-        dtype defaults to the model dtype. Zero fill matters: block 0 is the padding target and
-        must stay finite.
-        """
-        shape = (num_blocks * block_size, self.config.num_kv_heads, self.config.head_dim)
-        dtype = dtype or self.dtype
-        return [
-            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
-            for _ in range(self.config.num_layers)
-        ]
-
     # ---- weight loading -------------------------------------------------------------------
 
-    def _weight_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
-        """HF parameter name -> (our parameter, first row, end row) it fills."""
+    def _weight_targets(self) -> WeightTargets:
         cfg = self.config
         q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         inter = cfg.intermediate_size
-
-        def whole(p: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-            return (p, 0, p.shape[0])
-
         targets = {"model.embed_tokens.weight": whole(self.embed_tokens), "model.norm.weight": whole(self.norm.weight)}
         if not cfg.tie_word_embeddings:
             targets["lm_head.weight"] = whole(self.lm_head)
@@ -164,6 +147,9 @@ class LlamaForCausalLM(nn.Module):
                 targets[f"{pre}self_attn.{name}_proj.weight"] = (attn.qkv_proj, start, end)
                 if attn.qkv_bias is not None:
                     targets[f"{pre}self_attn.{name}_proj.bias"] = (attn.qkv_bias, start, end)
+            if attn.q_norm is not None:
+                targets[f"{pre}self_attn.q_norm.weight"] = whole(attn.q_norm.weight)
+                targets[f"{pre}self_attn.k_norm.weight"] = whole(attn.k_norm.weight)
             targets[f"{pre}self_attn.o_proj.weight"] = whole(attn.o_proj)
             targets[f"{pre}mlp.gate_proj.weight"] = (layer.mlp.gate_up_proj, 0, inter)
             targets[f"{pre}mlp.up_proj.weight"] = (layer.mlp.gate_up_proj, inter, 2 * inter)
@@ -171,41 +157,3 @@ class LlamaForCausalLM(nn.Module):
             targets[f"{pre}input_layernorm.weight"] = whole(layer.input_layernorm.weight)
             targets[f"{pre}post_attention_layernorm.weight"] = whole(layer.post_attention_layernorm.weight)
         return targets
-
-    def _is_ignorable(self, name: str) -> bool:
-        # Old checkpoints carry rotary inv_freq buffers; tied checkpoints may repeat lm_head.
-        return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.config.tie_word_embeddings)
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the fused parameters, casting to the model dtype.
-
-        Raises ValueError on a tensor the model does not have, a shape mismatch, or (after the
-        last tensor) any parameter that no tensor filled.
-        """
-        targets = self._weight_targets()
-        loaded: set[str] = set()
-        arch = self.config.architecture
-        for name, tensor in weights:
-            if name not in targets:
-                if self._is_ignorable(name):
-                    continue
-                raise ValueError(
-                    f"unexpected tensor {name!r} in the checkpoint of a {arch} model: this model has no such "
-                    "parameter (is the checkpoint for a different architecture, or does config.json "
-                    "disagree with the weights, e.g. attention_bias or tie_word_embeddings?)"
-                )
-            param, start, end = targets[name]
-            dest = param[start:end]
-            if tuple(tensor.shape) != tuple(dest.shape):
-                raise ValueError(
-                    f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)} "
-                    f"from the model config (hidden {self.config.hidden_size}, heads {self.config.num_heads}, "
-                    f"kv heads {self.config.num_kv_heads}, head_dim {self.config.head_dim})"
-                )
-            dest.copy_(tensor)
-            loaded.add(name)
-        missing = sorted(set(targets) - loaded)
-        if missing:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise ValueError(f"the checkpoint lacks {len(missing)} tensor(s) a {arch} model needs: {shown}")

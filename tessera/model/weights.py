@@ -2,8 +2,8 @@
 
 Whatever the format on disk (a Hugging Face folder of safetensors, or a GGUF file), the model
 sees the same thing: a `ModelConfig` and a lazy stream of `(hf_name, tensor)` pairs that use the
-Hugging Face Llama parameter names. The format-specific readers live in hf_loader.py and
-gguf_loader.py.
+Hugging Face parameter names of its family (tessera.model.registry says which family). The
+format-specific readers live in hf_loader.py and gguf_loader.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class ModelFiles(ABC):
     """A model on disk, opened: its config now, its weights when asked.
 
     Contract of `weights()`: yields each parameter once, as `(name, tensor)` with the Hugging Face
-    Llama names of `expected_weight_names(config)`, in no promised order, one tensor at a time
+    names of `expected_weight_names(config)`, in no promised order, one tensor at a time
     (nothing is held after it is yielded, so peak memory is one tensor plus what the caller keeps).
     Tensors are float32, or the file's own float dtype (float16, bfloat16) where it stores one;
     quantized GGUF tensors come dequantized to float32. `lm_head.weight` is yielded only when
@@ -64,18 +64,10 @@ def load_model_files(path: str | os.PathLike) -> ModelFiles:
 
 
 def expected_weight_names(config: ModelConfig) -> list[str]:
-    """The names `ModelFiles.weights()` yields for this config (the Hugging Face Llama layout)."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not config.tie_word_embeddings:
-        names.append("lm_head.weight")
-    for i in range(config.num_layers):
-        layer = f"model.layers.{i}"
-        names += [f"{layer}.self_attn.{p}_proj.weight" for p in ("q", "k", "v", "o")]
-        if config.attention_bias:
-            names += [f"{layer}.self_attn.{p}_proj.bias" for p in ("q", "k", "v")]
-        names += [f"{layer}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
-        names += [f"{layer}.input_layernorm.weight", f"{layer}.post_attention_layernorm.weight"]
-    return names
+    """The names `ModelFiles.weights()` yields for this config (its family's Hugging Face layout)."""
+    from tessera.model.registry import expected_weight_names as names
+
+    return names(config)
 
 
 def _has_gguf_magic(path: Path) -> bool:

@@ -165,21 +165,6 @@ class ConcatLinear(QuantLinear):
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
-def _source_tensors(desc: str, tied: bool) -> list[str]:
-    if desc == "embed_tokens":
-        return ["token_embd.weight"]
-    if desc == "lm_head":
-        return ["token_embd.weight" if tied else "output.weight"]
-    _, i, name = desc.split(".")
-    parts = {
-        "qkv_proj": ["attn_q", "attn_k", "attn_v"],
-        "o_proj": ["attn_output"],
-        "gate_up_proj": ["ffn_gate", "ffn_up"],
-        "down_proj": ["ffn_down"],
-    }[name]
-    return [f"blk.{i}.{p}.weight" for p in parts]
-
-
 def _count(tally: dict, kind: str, native: bool, nbytes: int) -> None:
     entry = tally.setdefault((kind, native), [0, 0])
     entry[0] += 1
@@ -188,22 +173,21 @@ def _count(tally: dict, kind: str, native: bool, nbytes: int) -> None:
 
 def gguf_linears(model, model_files, descs: list[str]) -> dict[str, QuantLinear]:
     """QuantLinear modules built from the GGUF blocks behind each described weight (see
-    linear_weight_slots); a weight whose blocks have no native kernel is left out."""
-    from tessera.model.gguf_loader import GGUFModelFiles, unpermute_rope_rows
+    CausalLM.linear_slots); a weight whose blocks have no native kernel is left out."""
+    from tessera.model.gguf_loader import GGUFModelFiles
 
     if not isinstance(model_files, GGUFModelFiles):
         raise ValueError(
             "--quantization gguf computes with a GGUF file's own quantized blocks, so --model must be "
             "a .gguf file; for a Hugging Face model use --quantization int8, int4 or w8a8"
         )
-    cfg = model.config
-    unpermute = model_files.reader.fields["general.architecture"].contents() == "llama"
-    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
+    slot_parts = {slot.name: slot.parts for slot in model.linear_slots(quantize_lm_head=True)}
     layers: dict[str, QuantLinear] = {}
     tally: dict[tuple[str, bool], list[int]] = {}  # (GGUF type, native) -> [tensors, bytes]
     for desc in descs:
-        names = _source_tensors(desc, cfg.tie_word_embeddings)
-        tensors = [model_files.tensors[n] for n in names]
+        # The HF weights fused into this slot, in row order; the untied embedding table is no slot.
+        names = slot_parts[desc] if desc in slot_parts else ["model.embed_tokens.weight"]
+        tensors = [model_files.source_tensor(n) for n in names]
         decoded = [_decode(t) for t in tensors]
         if any(d is None for d in decoded):
             for t in tensors:  # the loader's float weight, in the model dtype
@@ -212,9 +196,8 @@ def gguf_linears(model, model_files, descs: list[str]) -> dict[str, QuantLinear]
         parts = []
         for name, d in zip(names, decoded, strict=True):
             part = d[1:]
-            role = name.split(".")[-2]  # blk.N.<role>.weight
-            if unpermute and role in heads:  # undo llama.cpp's rope row order, as the loader does
-                part = tuple(unpermute_rope_rows(t, heads[role]) for t in part)
+            if (transform := model_files.row_transform(name)) is not None:  # as the loader does
+                part = tuple(transform(t) for t in part)
             parts.append(part)
         kinds = {d[0] for d in decoded}
         if len(kinds) == 1:

@@ -6,8 +6,8 @@ choice per row count was measured on the development CPU; `benchmarks/quant.py -
 re-measures it). The model calls it through `tessera.model.layers.linear`, which falls through to
 `F.linear` for a plain float weight, so an unquantized model runs exactly as before.
 
-`quantize_model` swaps the fused linear weights of a loaded `LlamaForCausalLM` (qkv, o, gate_up,
-down; the lm_head only when asked) for QuantLinear modules. A tied lm_head gets its own quantized
+`quantize_model` swaps the linear weights a loaded model lists in `CausalLM.linear_slots` (qkv,
+o, gate_up, down; the lm_head only when asked) for QuantLinear modules. A tied lm_head gets its own quantized
 copy; the embedding lookup keeps the float table.
 """
 
@@ -84,7 +84,9 @@ def scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     # outside it (a kernel called directly after a model forward, as tests do).
     key = (dtype, device, torch.is_inference_mode_enabled())
     buf = _scratch.get(key)
-    if buf is None or buf.numel() < numel:
+    # A buffer made under inference_mode cannot be written outside it (a model forward makes
+    # one, a kernel called directly later would fail): make a fresh one then.
+    if buf is None or buf.numel() < numel or (buf.is_inference() and not torch.is_inference_mode_enabled()):
         buf = _scratch[key] = torch.empty(numel, dtype=dtype, device=device)
     return buf[:numel]
 
@@ -143,19 +145,9 @@ def check_quantization_args(method: str, group_size: int) -> None:
 
 
 def linear_weight_slots(model: nn.Module, quantize_lm_head: bool) -> list[tuple[nn.Module, str, str]]:
-    """(owning module, attribute, HF-style description) of every weight `quantize_model` replaces."""
-    slots = []
-    for i, layer in enumerate(model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        slots += [
-            (attn, "qkv_proj", f"layers.{i}.qkv_proj"),
-            (attn, "o_proj", f"layers.{i}.o_proj"),
-            (mlp, "gate_up_proj", f"layers.{i}.gate_up_proj"),
-            (mlp, "down_proj", f"layers.{i}.down_proj"),
-        ]
-    if quantize_lm_head:
-        slots.append((model, "lm_head", "lm_head"))
-    return slots
+    """(owning module, attribute, description) of every weight `quantize_model` replaces; the
+    model says which they are (CausalLM.linear_slots)."""
+    return [(s.owner, s.attr, s.name) for s in model.linear_slots(quantize_lm_head)]
 
 
 def replace_weight(owner: nn.Module, name: str, layer: nn.Module) -> None:
@@ -174,7 +166,7 @@ def quantize_model(
     model_files=None,
     sparsity: str = "none",
 ) -> nn.Module:
-    """Quantize a loaded LlamaForCausalLM in place and return it.
+    """Quantize a loaded CausalLM (tessera.model.base) in place and return it.
 
     method: one of QUANTIZATION_METHODS. "gguf" needs `model_files`, the opened GGUF file the
     model was loaded from: its quantized blocks replace the (dequantized) float weights.

@@ -74,18 +74,12 @@ class DraftProposer:
     def load(cls, path: str, dtype: torch.dtype, num_blocks: int, block_size: int, device: str = "cpu",
              quantization: str = "none") -> DraftProposer:
         from tessera.model.download import resolve_model_path
-        from tessera.model.llama import LlamaForCausalLM
+        from tessera.model.registry import build_model
         from tessera.model.weights import load_model_files
 
         files = load_model_files(resolve_model_path(path))
-        model = LlamaForCausalLM(files.config, dtype, device=device)
-        model.load_weights(files.weights())
-        if quantization != "none":
-            from tessera.quant import quantize_model
-
-            # The lm_head too: for small models it is the largest matmul of a decode step.
-            quantize_model(model, quantization, quantize_lm_head=True, model_files=files)
-        model.eval()
+        # The lm_head quantized too: for small models it is the largest matmul of a decode step.
+        model = build_model(files, dtype, device, quantization=quantization, quantize_lm_head=quantization != "none")
         return cls(model, num_blocks, block_size)
 
     # ---- proposing ---------------------------------------------------------------------------

@@ -32,6 +32,10 @@ CASES = {
     "mqa": dict(num_key_value_heads=1),
     "llama3_rope": dict(num_key_value_heads=2, rope_scaling=LLAMA3_ROPE),
     "linear_rope": dict(num_key_value_heads=2, rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    "yarn_rope": dict(num_key_value_heads=2, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                            "original_max_position_embeddings": 32}),
+    # dynamic NTK equals the unscaled rope within max_position_embeddings, where tessera stops
+    "dynamic_rope": dict(num_key_value_heads=2, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
     "tied": dict(num_key_value_heads=2, tie_word_embeddings=True),
     "qwen2_bias": dict(num_key_value_heads=2, qwen2=True),
 }

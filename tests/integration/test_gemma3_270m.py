@@ -1,0 +1,89 @@
+"""The second packaged model, Gemma 3 270M (Q4_K_M GGUF), against transformers loading the same file.
+
+transformers dequantizes the GGUF's K-quant, Q5_0 and Q8_0 tensors to float32 itself (its own
+gguf integration, norms shifted back by -1 as ours are), so both sides compute with the same
+weights: logits, greedy tokens through the engine (batched, prompts sharing a prefix served from
+the prefix cache) and the perplexity of the shipped text must agree.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tessera import LLM, SamplingParams
+from tessera.attention.metadata import single_sequence_metadata
+from tessera.quality import perplexity, text_token_ids
+from tests.reference import hf_greedy
+
+pytestmark = pytest.mark.integration
+
+SHARED = "You are a careful assistant. Answer in one short paragraph, plainly and precisely.\n\n"
+PROMPTS = [
+    SHARED + "Question: Why is the sky blue?\nAnswer:",
+    SHARED + "Question: What does a compiler do?\nAnswer:",
+    SHARED + "Question: How do bees make honey?\nAnswer:",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def gemma_path():
+    from tessera.model.download import resolve_model_path
+
+    return resolve_model_path("gemma-3-270m")
+
+
+@pytest.fixture(scope="module")
+def llm(gemma_path):
+    return LLM(str(gemma_path), dtype="float32", kv_cache_memory=256 << 20, enable_prefix_caching=True)
+
+
+@pytest.fixture(scope="module")
+def hf_model(gemma_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(gemma_path.parent, gguf_file=gemma_path.name,
+                                                dtype=torch.float32).eval()
+
+
+def test_config_is_gemma3_270m(llm):
+    mc = llm.engine.model_config
+    assert (mc.architecture, mc.num_layers, mc.head_dim, mc.num_kv_heads, mc.vocab_size) == ("gemma3", 18, 256, 1, 262144)
+    assert mc.layer_types.count("full_attention") == 3 and mc.sliding_window == 512
+
+
+def test_prompt_logits_match_transformers(llm, hf_model):
+    ids = llm.get_tokenizer().encode(PROMPTS[0] + " " + PROMPTS[3])
+    model = llm.engine.runner.model
+    caches = model.allocate_kv_cache(num_blocks=1 + -(-len(ids) // 16), block_size=16)
+    with torch.inference_mode():
+        ours = model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), caches,
+                                          single_sequence_metadata(len(ids))))
+        ref = hf_model(torch.tensor([ids])).logits[0].float()
+    assert (ours - ref).abs().max().item() < 1e-3
+
+
+def test_greedy_tokens_match_transformers_batched_with_prefix_cache(llm, hf_model):
+    tok = llm.get_tokenizer()
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    llm.generate(PROMPTS[:1], params, use_tqdm=False)  # puts the shared prefix in the cache
+    hits_before = llm.engine.stats().prefix_cache_hits
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)  # batched together through the engine
+    assert llm.engine.stats().prefix_cache_hits - hits_before >= 3 * 16  # the shared prefix was reused
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, tok.encode(prompt), NEW_TOKENS), prompt
+
+
+def test_perplexity_of_the_shipped_text_matches_transformers(llm, hf_model):
+    ids = text_token_ids(llm.get_tokenizer())[:300]
+    ours = perplexity(llm.engine.runner.model, ids, window=300, stride=299)
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([ids])).logits[0].float()
+    ref = math.exp(float(F.cross_entropy(logits[:-1], torch.tensor(ids[1:]))))
+    assert ours.num_scored == len(ids) - 1
+    assert ours.perplexity == pytest.approx(ref, rel=1e-4)
