@@ -160,9 +160,8 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "auto"  # see tessera.attention.backend: auto | torch | triton
     num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
-    # The model step runs compiled (torch.compile, captured per batch-size bucket) unless
-    # enforce_eager (vLLM's name); deterministic asks for batch-invariant kernels everywhere,
-    # beyond the invariance that holds by default (see docs/reproducibility.md).
+    # enforce_eager: vLLM's name, accepted (the step runs eagerly; no compiled step yet).
+    # deterministic: the batch-invariant linear kernels in float32 too (docs/reproducibility.md).
     enforce_eager: bool = False
     deterministic: bool = False
     # vLLM's knobs: a tokenizer other than the model's, a chat template (a file or the template

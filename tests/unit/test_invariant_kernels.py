@@ -116,3 +116,58 @@ def test_paged_attention_matches_softmax_formula(dtype, heads, block_size):
     backend.begin_step(alone)
     single = backend.forward(0, q[last:], k_new[last:], v_new[last:], (k_cache, v_cache), alone, d**-0.5)
     assert torch.equal(single[0], out[last])
+
+
+def _greedy(engine, prompts, max_tokens=12, with_logprobs=False):
+    """Greedy token ids per prompt; with_logprobs: (token, logprob) pairs, whose exact float
+    values show any change in the hidden states even where the argmax does not move."""
+    from tessera.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                            logprobs=5 if with_logprobs else None)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                o = out.outputs[0]
+                done[out.request_id] = ([sorted((t, lp.logprob) for t, lp in step.items()) for step in o.logprobs]
+                                        if with_logprobs else o.token_ids)
+        engine.check_invariants()
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def test_deterministic_puts_invariant_linears_in_a_float32_engine(tiny_model_dir):
+    from tessera.config import EngineConfig
+    from tessera.engine.engine import LLMEngine
+
+    plain = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=1 << 22))
+    det = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=1 << 22,
+                                 deterministic=True))
+    assert not isinstance(plain.runner.model.layers[0].self_attn.qkv_proj, InvariantLinear)
+    assert isinstance(det.runner.model.layers[0].self_attn.qkv_proj, InvariantLinear)
+    assert isinstance(det.runner.model.lm_head, InvariantLinear)
+    prompts = [[1, 5, 9, 13, 17, 21, 3], [2, 4, 6, 8]]
+    # MKL and the fixed-order kernel agree to ~1e-6: the tiny model's greedy tokens do not move.
+    assert _greedy(det, prompts) == _greedy(plain, prompts)
+
+
+@pytest.mark.skipif(not supported(torch.bfloat16), reason="bf16 invariance by default needs AMX")
+def test_bf16_prefix_cache_hit_and_batch_equal_the_request_alone(tiny_model_dir):
+    from tessera.config import EngineConfig
+    from tessera.engine.engine import LLMEngine
+
+    gen = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, 200, (40,), generator=gen).tolist()
+    prompts = [shared + torch.randint(3, 200, (n,), generator=gen).tolist() for n in (3, 9, 17, 1, 30)]
+    cfg = dict(model=str(tiny_model_dir), dtype="bfloat16", kv_cache_memory=1 << 22, block_size=8)
+    alone = [_greedy(LLMEngine(EngineConfig(enable_prefix_caching=False, **cfg)), [p], with_logprobs=True)[0]
+             for p in prompts]
+    cached = LLMEngine(EngineConfig(enable_prefix_caching=True, max_num_batched_tokens=16, **cfg))
+    _greedy(cached, prompts[:1])  # warms the prefix cache with the shared blocks
+    assert cached.stats().prefix_cache_hits == 0
+    # Batched, in chunks of 16 tokens, suffixes after cached blocks: the same top-5 logprobs, bit
+    # for bit (with oneDNN's linears and the torch attention they differ in the last digits).
+    assert _greedy(cached, prompts, with_logprobs=True) == alone
+    assert cached.stats().prefix_cache_hits > 0
