@@ -155,6 +155,18 @@ def with_options(constraint: StructuredOutputsParams | None, structured_outputs:
 # ---- prompts ----------------------------------------------------------------------------------
 
 
+def _call_name_and_arguments(call, message: int, index: int) -> tuple[str, str]:
+    """(name, arguments JSON text) of an assistant message's earlier tool call; ValueError (a 400)
+    for a call that is not {"function": {"name": ..., "arguments": ...}}."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise ValueError(f"messages[{message}].tool_calls[{index}] needs a 'function' with a non-empty 'name'")
+    arguments = fn.get("arguments") or "{}"
+    if not isinstance(arguments, str):
+        raise ValueError(f"messages[{message}].tool_calls[{index}].function.arguments must be a JSON string")
+    return fn["name"], arguments
+
+
 def render_chat(hf_tokenizer: Any, messages: list[dict], plan: ToolPlan, parser: ToolParser,
                 add_generation_prompt: bool) -> str:
     """The prompt for a chat with tools. A template that renders `tools` itself gets them (and
@@ -166,11 +178,11 @@ def render_chat(hf_tokenizer: Any, messages: list[dict], plan: ToolPlan, parser:
         return hf_tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                 add_generation_prompt=add_generation_prompt)
     conversation = []
-    for m in messages:
+    for i, m in enumerate(messages):
         m = dict(m)
         if m.get("tool_calls"):
-            calls = "\n".join(parser.format_call(c["function"]["name"], c["function"].get("arguments") or "{}")
-                              for c in m.pop("tool_calls"))
+            calls = "\n".join(parser.format_call(*_call_name_and_arguments(c, i, j))
+                              for j, c in enumerate(m.pop("tool_calls")))
             m["content"] = f"{m.get('content') or ''}\n{calls}".strip()
         if m["role"] == "tool":
             m = {"role": "tool", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}

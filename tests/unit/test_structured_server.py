@@ -218,3 +218,15 @@ def test_required_schema_validates_exactly_the_calls():
                 [{"name": "get_time", "parameters": {"city": "Rome", "days": 2}}]):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
+
+
+@pytest.mark.parametrize("call", [{}, {"type": "function"}, {"function": {"arguments": "{}"}},
+                                  {"function": {"name": "f", "arguments": {"a": 1}}}, "not a call"])
+def test_a_malformed_earlier_tool_call_is_a_400_not_a_500(server, call):
+    # Found by the schemathesis fuzzer (test_api_fuzz.py): a tool_calls entry without a function
+    # used to raise KeyError('function') in the chat rendering.
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "ok", "tool_call_id": "1"}]
+    r = httpx.post(server.base_url + "/v1/chat/completions", json=dict(model=MODEL, messages=messages, max_tokens=2))
+    assert r.status_code == 400, r.text
+    assert "tool_calls" in r.json()["error"]["message"]
