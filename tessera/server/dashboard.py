@@ -51,6 +51,8 @@ def decision_records(app: FastAPI) -> list[dict[str, Any]]:
     autopilot = getattr(app.state, "autopilot", None)
     if autopilot is not None:
         found = getattr(autopilot, "decisions", None)
+        if callable(found):  # tessera.advisor.autopilot.Autopilot.decisions() returns a copy
+            found = found()
         if found is None:
             found = getattr(autopilot, "changes", None)
         for rec in list(found or ()):
