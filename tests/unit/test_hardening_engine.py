@@ -15,7 +15,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from tessera.config import EngineConfig
 from tessera.engine.engine import LLMEngine
@@ -71,10 +71,13 @@ def test_engine_state_machine_keeps_the_kv_invariant(engine):
                 return
             self.live[rid] = n
 
-        @precondition(lambda self: self.live)
-        @rule(data=st.data())
-        def abort(self, data):
-            rid = data.draw(st.sampled_from(sorted(self.live)))
+        # The draw does not depend on which requests are live (they depend on the shared engine's
+        # prefix cache, which earlier examples filled): hypothesis replays see the same choices.
+        @rule(pick=st.integers(0, 63))
+        def abort(self, pick):
+            if not self.live:
+                return
+            rid = sorted(self.live)[pick % len(self.live)]
             self.engine.abort_request(rid)
             del self.live[rid]
 
