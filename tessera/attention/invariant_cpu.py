@@ -31,7 +31,10 @@ class _KernelPlan:
     token_ctx: torch.Tensor  # [T] int32: context positions each token attends to (its own included)
 
 
-def _kernel_plan(metadata: AttentionMetadata, block_size: int) -> _KernelPlan:
+def _kernel_plan(metadata: AttentionMetadata) -> _KernelPlan:
+    """Block tables recovered from the metadata's slots (the first slot of each block, // block
+    size), and each token's table row and context length."""
+    block_size = metadata.block_size
     tables: list[torch.Tensor] = []
     rows: list[torch.Tensor] = []
     ctxs: list[torch.Tensor] = []
@@ -80,6 +83,6 @@ class InvariantCPUAttention(TorchCPUAttention):
         v_cache.index_copy_(0, metadata.slot_mapping, v)
         plan = self._kernel_plan
         if plan is None or plan.metadata is not metadata:
-            plan = self._kernel_plan = _kernel_plan(metadata, metadata.block_size)
+            plan = self._kernel_plan = _kernel_plan(metadata)
         return kernels.ops().paged_attention(q, k_cache, v_cache, plan.block_tables, plan.token_row,
                                              plan.token_ctx, metadata.block_size, scale)
