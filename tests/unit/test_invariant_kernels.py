@@ -63,10 +63,10 @@ def _metadata(decode_tables, decode_ctx, spans, block_size):
     mask = None
     if decode_tables:
         width = max(decode_ctx)
-        rows = [slots_for_positions(t, 0, c, block_size) + [0] * (width - c) for t, c in zip(decode_tables, decode_ctx)]
+        rows = [slots_for_positions(t, 0, c, block_size) + [0] * (width - c) for t, c in zip(decode_tables, decode_ctx, strict=True)]
         decode_slots = torch.tensor(rows)
         mask = (torch.arange(width) < torch.tensor(decode_ctx).unsqueeze(1)).view(len(rows), 1, 1, width)
-        slot_mapping += [r[c - 1] for r, c in zip(rows, decode_ctx)]
+        slot_mapping += [r[c - 1] for r, c in zip(rows, decode_ctx, strict=True)]
     start = len(slot_mapping)
     for table, ctx, qlen in spans:
         slots = torch.tensor(slots_for_positions(table, 0, ctx, block_size))
@@ -94,7 +94,7 @@ def test_paged_attention_matches_softmax_formula(dtype, heads, block_size):
     for c in decode_ctx + [ctx for ctx, _ in spans]:
         tables.append(perm[cursor: cursor + need(c)])
         cursor += need(c)
-    md = _metadata(tables[:3], decode_ctx, [(t, c, n) for t, (c, n) in zip(tables[3:], spans)], block_size)
+    md = _metadata(tables[:3], decode_ctx, [(t, c, n) for t, (c, n) in zip(tables[3:], spans, strict=True)], block_size)
     num_tokens = md.num_tokens
     q = torch.randn(num_tokens, h, d, generator=gen).to(dtype)
     k_new = k_cache[md.slot_mapping].clone()  # write what is there: the cache stays as generated
@@ -103,8 +103,8 @@ def test_paged_attention_matches_softmax_formula(dtype, heads, block_size):
     backend.begin_step(md)
     out = backend.forward(0, q, k_new, v_new, (k_cache, v_cache), md, d**-0.5)
     # Every token against the formula over exactly its context.
-    contexts = [slots_for_positions(t, 0, c, block_size) for t, c in zip(tables[:3], decode_ctx)]
-    for table, (ctx, qlen) in zip(tables[3:], spans):
+    contexts = [slots_for_positions(t, 0, c, block_size) for t, c in zip(tables[:3], decode_ctx, strict=True)]
+    for table, (ctx, qlen) in zip(tables[3:], spans, strict=True):
         contexts += [slots_for_positions(table, 0, ctx - qlen + j + 1, block_size) for j in range(qlen)]
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for t in range(num_tokens):
