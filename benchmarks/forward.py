@@ -101,6 +101,7 @@ def decode_metadata(batch: int, context: int, block_size: int, num_blocks: int, 
         decode_slots=decode_slots,
         decode_mask=torch.ones(batch, 1, 1, context, dtype=torch.bool),
         prefills=[],
+        block_size=block_size,  # the invariant backend walks block tables; without it, it falls back
     )
 
 

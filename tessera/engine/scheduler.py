@@ -207,15 +207,24 @@ class Scheduler:
             self._admit_waiting(budget, scheduled)
             if lookahead:
                 self._grant_lookahead(scheduled, lookahead)
-        demotions, promotions = self.kv.take_block_copies()  # evictions and hits of this step
-        self._swap_out.extend(demotions)
-        self._swap_in.extend(promotions)
+        self._collect_block_copies()
+        # A host block taken twice in one step (a demotion's block dropped again for a later
+        # swap-out or demotion) is copied into once: by its last owner. One index_copy_ with a
+        # repeated destination keeps an arbitrary one of the rows.
+        last_copy = {host_block: (device_block, host_block) for device_block, host_block in self._swap_out}
         return SchedulerOutput(
             scheduled=[s for s in scheduled if s.is_decode] + [s for s in scheduled if not s.is_decode],
             preempted=preempted,
-            swap_out=self._swap_out,
+            swap_out=list(last_copy.values()),
             swap_in=self._swap_in,
         )
+
+    def _collect_block_copies(self) -> None:
+        """Append the demotions and promotions the block manager decided so far, keeping the
+        device -> host copies in the order they were decided (see schedule's last copy)."""
+        demotions, promotions = self.kv.take_block_copies()
+        self._swap_out.extend(demotions)
+        self._swap_in.extend(promotions)
 
     def _grant_lookahead(self, scheduled: list[ScheduledSeq], lookahead: dict[int, int]) -> None:
         spare = self.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
@@ -246,6 +255,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         if self.preemption.should_swap(seq, self.host, self._num_shared_prefix_tokens(seq)):
+            self._collect_block_copies()  # earlier demotions first: this swap-out may retake their host blocks
             self._swap_out.extend(self.host.swap_out(seq))  # before free: the pairs name its blocks
         self.kv.free(seq)
         seq.num_computed_tokens = 0

@@ -8,7 +8,7 @@ import argparse
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tessera import SamplingParams
@@ -216,6 +216,8 @@ class SwapSim(Sim):
             bs = self.kv.block_size
             if out.preempted:
                 assert not out.swap_in, "a step that preempts admits nobody"
+            host_targets = [host_block for _, host_block in out.swap_out]
+            assert len(set(host_targets)) == len(host_targets), "one host block is copied into twice"
             for device_block, host_block in out.swap_out:
                 for o in range(bs):
                     self.host_slots[(host_block, o)] = self.slots.get((device_block, o))
@@ -244,6 +246,13 @@ class SwapSim(Sim):
     finish_prob=st.sampled_from([0.0, 0.2]),
     seed=st.integers(0, 2**16),
 )
+# Found by the search: seq 5's new block evicts cached block 7 (demoted to host block 4, the
+# least recent), then seq 3's swap-out drops that demotion and retakes host block 4; the demotion
+# copy ran after the swap-out and overwrote seq 3's K/V.
+@example(block_size=2, num_blocks=12, num_host_blocks=8, max_num_seqs=2, extra_budget=0,
+         requests=[([0], 4, 0), ([0], 4, 0), ([0], 5, 0), ([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 0], 5, 1),
+                   ([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 0, 0, 0, 0, 0], 4, 0), ([0], 9, 0)],
+         prefix_caching=True, finish_prob=0.0, seed=0)
 def test_random_workloads_with_swapping_read_the_right_kv_and_drain(
     block_size, num_blocks, num_host_blocks, max_num_seqs, extra_budget, requests, prefix_caching, finish_prob, seed,
 ):
