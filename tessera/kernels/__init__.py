@@ -1,6 +1,6 @@
 """Batch-invariant CPU kernels (C++, built at first use): linear layers and paged attention.
 
-`available()` builds `csrc/invariant_kernels.cpp` through `tessera.native` (cached per CPU and
+`available()` builds `csrc/invariant_kernels.cpp` and `csrc/paged_attention.cpp` through `tessera.native` (cached per CPU and
 torch version) and registers the ops under `torch.ops.tessera_inv`. Everything here has a
 pure-torch fallback; callers ask `available()` first.
 """
@@ -14,7 +14,7 @@ import torch
 
 from tessera.native import load_extension
 
-_SOURCES = (Path(__file__).parent / "csrc" / "invariant_kernels.cpp",)
+_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("invariant_kernels.cpp", "paged_attention.cpp"))
 
 
 @functools.cache
