@@ -50,12 +50,22 @@ def _cpu_tag() -> str:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:10]
 
 
-def build_dir(name: str) -> Path:
+def extensions_root() -> Path:
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root is None:
-        cache = Path(os.environ.get("TESSERA_CACHE") or Path.home() / ".cache" / "tessera")
-        root = cache / "torch_extensions" / f"torch{torch.__version__.split('+')[0]}-{_cpu_tag()}"
-    path = Path(root) / name
+    if root is not None:
+        return Path(root)
+    cache = Path(os.environ.get("TESSERA_CACHE") or Path.home() / ".cache" / "tessera")
+    return cache / "torch_extensions" / f"torch{torch.__version__.split('+')[0]}-{_cpu_tag()}"
+
+
+def build_dir(name: str, sources: tuple[Path, ...] = (), defines: tuple[str, ...] = ()) -> Path:
+    """Where `name` is built: one folder per content of its sources and defines, so two
+    checkouts (or branches) with different sources never rebuild over each other's library."""
+    digest = hashlib.sha256()
+    for source in sources:
+        digest.update(Path(source).read_bytes())
+    digest.update("\0".join(defines).encode())
+    path = extensions_root() / (f"{name}-{digest.hexdigest()[:10]}" if sources or defines else name)
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -75,7 +85,7 @@ def load_extension(name: str, sources: tuple[Path, ...], defines: tuple[str, ...
             name=name,
             sources=[str(s) for s in sources],
             extra_cflags=CFLAGS + [f"-D{d}" for d in defines],
-            build_directory=str(build_dir(name)),
+            build_directory=str(build_dir(name, sources, defines)),
             is_python_module=False,
             verbose=False,
         )
@@ -86,7 +96,8 @@ def load_extension(name: str, sources: tuple[Path, ...], defines: tuple[str, ...
         return False
     elapsed = time.perf_counter() - start
     if elapsed > 2:
-        logger.info("native extension %s built in %.0f s (cached in %s)", name, elapsed, build_dir(name))
+        logger.info("native extension %s built in %.0f s (cached in %s)", name, elapsed,
+                    build_dir(name, sources, defines))
     return True
 
 
@@ -98,7 +109,7 @@ def main() -> int:
     failed = []
     for name, (module, fn) in EXTENSIONS.items():
         ok = getattr(importlib.import_module(module), fn)()
-        print(f"{name}: {'built' if ok else 'NOT built (torch fallback)'} in {build_dir(name)}")
+        print(f"{name}: {'built' if ok else 'NOT built (torch fallback)'} under {extensions_root()}")
         if not ok:
             failed.append(name)
     return 1 if failed else 0
