@@ -1,7 +1,8 @@
-"""Batch-invariant CPU kernels (C++, built at first use): linear layers and paged attention.
+"""Batch-invariant CPU kernels (C++, built at first use): linear layers, paged attention and the
+fused elementwise ops of a layer (residual add + RMSNorm, rotary, SiLU x up).
 
-`available()` builds `csrc/invariant_kernels.cpp` and `csrc/paged_attention.cpp` through `tessera.native` (cached per CPU and
-torch version) and registers the ops under `torch.ops.tessera_inv`. Everything here has a
+`available()` builds `csrc/invariant_kernels.cpp`, `csrc/paged_attention.cpp` and
+`csrc/fused_ops.cpp` through `tessera.native` (cached per CPU and torch version) and registers the ops under `torch.ops.tessera_inv`. Everything here has a
 pure-torch fallback; callers ask `available()` first.
 """
 
@@ -14,7 +15,7 @@ import torch
 
 from tessera.native import load_extension
 
-_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("invariant_kernels.cpp", "paged_attention.cpp"))
+_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("invariant_kernels.cpp", "paged_attention.cpp", "fused_ops.cpp"))
 
 
 @functools.cache
@@ -34,3 +35,8 @@ def cpu_has_amx_bf16() -> bool:
 
 def ops():
     return torch.ops.tessera_inv
+
+
+def fused(x: torch.Tensor) -> bool:
+    """Whether the fused elementwise C++ ops can run on x (CPU, float32 or bfloat16)."""
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and available()

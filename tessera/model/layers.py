@@ -8,10 +8,13 @@ filled by `LlamaForCausalLM.load_weights`; nothing here is randomly initialised.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tessera import kernels
 
 
 def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -57,6 +60,10 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if kernels.fused(x) and x.is_contiguous() and x.dtype == self.weight.dtype:
+            # One pass (tessera/kernels/csrc/fused_ops.cpp), the same rounding points.
+            normed, summed = kernels.ops().add_rms_norm(x, residual, self.weight, self.eps)
+            return normed if residual is None else (normed, summed)
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -167,11 +174,41 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of each token's position: [T, 1, head_dim // 2] in `dtype`."""
-        if positions.numel() and int(positions.max()) >= self._cos.shape[0]:
-            self._grow(max(int(positions.max()) + 1, 2 * self._cos.shape[0]))
+        self._cover(positions)
         cos = self._cos.index_select(0, positions).unsqueeze(1)
         sin = self._sin.index_select(0, positions).unsqueeze(1)
         return cos.to(dtype), sin.to(dtype)
+
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeAt:
+        """The rotation of this step's tokens, applied to each layer's q and k by `RopeAt.apply`."""
+        self._cover(positions)
+        return RopeAt(self, positions, dtype)
+
+    def _cover(self, positions: torch.Tensor) -> None:
+        if positions.numel() and int(positions.max()) >= self._cos.shape[0]:
+            self._grow(max(int(positions.max()) + 1, 2 * self._cos.shape[0]))
+
+
+@dataclass
+class RopeAt:
+    """A rotary embedding at one step's positions. `apply` uses the fused C++ op on CPU (it
+    reads the fp32 tables at each position) and the cos/sin tensors otherwise, built once."""
+
+    rotary: RotaryEmbedding
+    positions: torch.Tensor
+    dtype: torch.dtype
+    _cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, heads, head_dim] (a view whose heads are contiguous, e.g. into the fused
+        qkv output); returns a new contiguous [T, heads, head_dim] tensor."""
+        t, heads, d = x.shape
+        if kernels.fused(x) and x.stride(2) == 1 and x.stride(1) == d and self.positions.dtype == torch.long:
+            rows = x.as_strided((t, heads * d), (x.stride(0), 1))
+            return kernels.ops().rotary(rows, self.rotary._cos, self.rotary._sin, self.positions.contiguous(), heads, d)
+        if self._cos_sin is None:
+            self._cos_sin = self.rotary.cos_sin(self.positions, self.dtype)
+        return apply_rotary(x, *self._cos_sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -202,6 +239,8 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_proj)
+        if kernels.fused(gate_up) and gate_up.is_contiguous():
+            return linear(kernels.ops().silu_mul(gate_up), self.down_proj)  # one pass, same rounding
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return linear(F.silu(gate) * up, self.down_proj)
 

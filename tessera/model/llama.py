@@ -16,7 +16,7 @@ from tessera.attention.backend import AttentionBackend
 from tessera.attention.metadata import AttentionMetadata
 from tessera.config import ModelConfig
 from tessera.model.base import CausalLM, KVCache, WeightTargets, whole
-from tessera.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, _empty_param, apply_rotary, embedding, linear
+from tessera.model.layers import RMSNorm, RopeAt, RotaryEmbedding, SwiGLUMLP, _empty_param, embedding, linear
 
 
 class LlamaAttention(nn.Module):
@@ -39,17 +39,15 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device) if qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device) if qk_norm else None
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeAt, kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = linear(x, self.qkv_proj, self.qkv_bias)
         qk = qkv[:, : (h + hkv) * d].view(num_tokens, h + hkv, d)
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
-        # Rotate q and k together: one set of elementwise ops for both.
-        qk = apply_rotary(qk, cos, sin)
+        # Rotate q and k together: one pass for both.
+        qk = rope.apply(qk)
         v = qkv[:, (h + hkv) * d :].view(num_tokens, hkv, d)
         out = self.backend.forward(self.layer_idx, qk[:, :h], qk[:, h:], v, kv_cache, metadata, self.scale,
                                    sliding_window=self.sliding_window)
@@ -69,8 +67,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RopeAt,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +76,7 @@ class LlamaDecoderLayer(nn.Module):
             x = self.input_layernorm(hidden)
         else:
             x, residual = self.input_layernorm(hidden, residual)
-        x = self.self_attn(x, cos, sin, kv_cache, metadata)
+        x = self.self_attn(x, rope, kv_cache, metadata)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -123,11 +120,11 @@ class LlamaForCausalLM(CausalLM):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for a model with {len(self.layers)} layers")
         self.attn_backend.begin_step(attn_metadata)
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        rope = self.rotary.at(positions, self.dtype)
         hidden = embedding(input_ids, self.embed_tokens)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn_metadata)
+            hidden, residual = layer(hidden, residual, rope, kv_cache, attn_metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

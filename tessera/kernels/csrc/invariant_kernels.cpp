@@ -63,11 +63,14 @@ __attribute__((target("avx512f,avx512bf16"))) inline void store_row_bf16(
   _mm256_mask_storeu_epi16(reinterpret_cast<void*>(out), mask, reinterpret_cast<__m256i&>(h));
 }
 
-// C[M, N] = A[Mp, Kp] (bf16, rows padded to 32, K to 32) x B (VNNI-packed [Np/16][Kp/2][16][2]).
+// C[M, N] = A[Mp, Kp] (bf16, rows padded to 16, K to 32) x B (VNNI-packed [Np/16][Kp/2][16][2]).
+// Rows go 32 at a time (two A tiles share each B tile); a last group of at most 16 rows uses one
+// A tile and half the tile products. Either way a C tile row is its A row times B, summed over K
+// in the same order, so the grouping never changes a row's result.
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) void amx_gemm(
     const at::BFloat16* a, const at::BFloat16* b, const float* bias, at::BFloat16* out, int64_t m,
     int64_t mp, int64_t n, int64_t np, int64_t kp) {
-  const int64_t n_pairs = np / 32, m_pairs = mp / 32, k_steps = kp / 32;
+  const int64_t n_pairs = np / 32, m_tiles = mp / 16, k_steps = kp / 32;
   const int64_t b_block = (kp / 2) * 32;  // bf16 elements of one 16-column block
   at::parallel_for(0, n_pairs, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
@@ -75,29 +78,42 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) void amx_gemm(
     for (int64_t np_i = begin; np_i < end; ++np_i) {
       const at::BFloat16* b0 = b + (2 * np_i) * b_block;
       const at::BFloat16* b1 = b0 + b_block;
-      for (int64_t mp_i = 0; mp_i < m_pairs; ++mp_i) {
-        const at::BFloat16* a0 = a + (2 * mp_i) * 16 * kp;
+      for (int64_t mt = 0; mt < m_tiles; mt += 2) {
+        const bool two = mt + 1 < m_tiles;
+        const at::BFloat16* a0 = a + mt * 16 * kp;
         const at::BFloat16* a1 = a0 + 16 * kp;
         _tile_zero(0);
         _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t ks = 0; ks < k_steps; ++ks) {
-          _tile_loadd(4, a0 + ks * 32, kp * 2);
-          _tile_loadd(5, a1 + ks * 32, kp * 2);
-          _tile_loadd(6, b0 + ks * 16 * 32, 64);
-          _tile_loadd(7, b1 + ks * 16 * 32, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
+        if (two) {
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t ks = 0; ks < k_steps; ++ks) {
+            _tile_loadd(4, a0 + ks * 32, kp * 2);
+            _tile_loadd(5, a1 + ks * 32, kp * 2);
+            _tile_loadd(6, b0 + ks * 16 * 32, 64);
+            _tile_loadd(7, b1 + ks * 16 * 32, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        } else {
+          for (int64_t ks = 0; ks < k_steps; ++ks) {
+            _tile_loadd(4, a0 + ks * 32, kp * 2);
+            _tile_loadd(6, b0 + ks * 16 * 32, 64);
+            _tile_loadd(7, b1 + ks * 16 * 32, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+          }
         }
         _tile_stored(0, c[0], 64);
         _tile_stored(1, c[1], 64);
-        _tile_stored(2, c[2], 64);
-        _tile_stored(3, c[3], 64);
-        for (int q = 0; q < 4; ++q) {
-          const int64_t row0 = (2 * mp_i + q / 2) * 16, col0 = (2 * np_i + q % 2) * 16;
+        if (two) {
+          _tile_stored(2, c[2], 64);
+          _tile_stored(3, c[3], 64);
+        }
+        for (int q = 0; q < (two ? 4 : 2); ++q) {
+          const int64_t row0 = (mt + q / 2) * 16, col0 = (2 * np_i + q % 2) * 16;
           if (col0 >= n) continue;
           const int cols = static_cast<int>(std::min<int64_t>(16, n - col0));
           for (int r = 0; r < 16 && row0 + r < m; ++r)
@@ -118,14 +134,25 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const c10::
   auto rows = x.reshape({-1, x.size(-1)});
   const int64_t m = rows.size(0), k = rows.size(1);
   TORCH_CHECK(k <= kp && np >= n, "linear_amx: x has ", k, " features, the packed weight ", kp);
-  const int64_t mp = std::max<int64_t>(32, (m + 31) / 32 * 32);
-  auto a = at::zeros({mp, kp}, x.options());
-  a.narrow(0, 0, m).narrow(1, 0, k).copy_(rows);
+  const int64_t mp = std::max<int64_t>(16, (m + 15) / 16 * 16);
+  // Tiles read whole 16-row groups of K-padded rows: x itself when it already has that shape,
+  // else a copy padded with zeros (a reused per-thread buffer: no allocation per call).
+  const at::BFloat16* a_ptr;
+  static thread_local std::vector<at::BFloat16> scratch;
+  if (mp == m && kp == k && rows.is_contiguous()) {
+    a_ptr = rows.data_ptr<at::BFloat16>();
+  } else {
+    if (static_cast<int64_t>(scratch.size()) < mp * kp) scratch.resize(mp * kp);
+    std::memset(static_cast<void*>(scratch.data()), 0, sizeof(at::BFloat16) * mp * kp);
+    auto padded = at::from_blob(scratch.data(), {mp, kp}, x.options());
+    padded.narrow(0, 0, m).narrow(1, 0, k).copy_(rows);
+    a_ptr = scratch.data();
+  }
   auto out = at::empty({m, n}, x.options());
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) bias_f = bias->to(at::kFloat).contiguous();
-  amx_gemm(a.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(),
-           bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, out.data_ptr<at::BFloat16>(), m, mp, n, np, kp);
+  amx_gemm(a_ptr, packed.data_ptr<at::BFloat16>(), bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
+           out.data_ptr<at::BFloat16>(), m, mp, n, np, kp);
   auto shape = x.sizes().vec();
   shape.back() = n;
   return out.view(shape);

@@ -1,0 +1,137 @@
+"""The fused elementwise C++ ops of a layer (tessera/kernels/csrc/fused_ops.cpp) against the
+formulas transformers uses, computed here in float64 and rounded where HF rounds; a row's result
+bit-identical whatever the row count; and the layers really taking the fused path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessera import kernels
+from tessera.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the C++ kernels did not build here")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in units of the last place between two same-dtype tensors."""
+    bits = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
+    ia, ib = a.contiguous().view(bits).long(), b.contiguous().view(bits).long()
+    return int((ia - ib).abs().max())
+
+
+def hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm: normalise in fp32 (here float64), round to the input dtype, scale by w."""
+    x64 = x.double()
+    normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    if x.dtype != torch.float32:
+        normed = normed.to(x.dtype).double()
+    return (w.double() * normed).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_matches_hf_and_adds_in_the_model_dtype(dtype):
+    torch.manual_seed(0)
+    x, r = torch.randn(37, 576).to(dtype), torch.randn(37, 576).to(dtype)
+    w = (1 + 0.1 * torch.randn(576)).to(dtype)
+    normed, summed = kernels.ops().add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(summed, x + r)  # one rounding of the fp32 sum, as torch's bf16 add
+    ulps = 1 if dtype == torch.bfloat16 else 4  # fp32: three roundings against float64
+    assert ulps_apart(normed, hf_rms_norm(x + r, w, 1e-5)) <= ulps
+    alone, same = kernels.ops().add_rms_norm(x, None, w, 1e-5)
+    assert torch.equal(same, x)
+    assert ulps_apart(alone, hf_rms_norm(x, w, 1e-5)) <= ulps
+
+
+def hf_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's apply_rotary_pos_emb in float64: x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)."""
+    half = x.shape[-1] // 2
+    x64 = x.double()
+    c, s = torch.cat([cos, cos], -1).double(), torch.cat([sin, sin], -1).double()
+    rotated = torch.cat([-x64[..., half:], x64[..., :half]], -1)
+    return x64 * c + rotated * s
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_matches_hf_on_a_strided_view_of_qkv(dtype):
+    torch.manual_seed(1)
+    rope = RotaryEmbedding(64, 10000.0, None, 128)
+    t, heads, kv = 11, 6, 2
+    qkv = torch.randn(t, (heads + 2 * kv) * 64).to(dtype)
+    positions = torch.tensor([0, 1, 2, 5, 9, 17, 33, 64, 100, 127, 200])  # 200: the table grows
+    qk = qkv[:, : (heads + kv) * 64].view(t, heads + kv, 64)
+    out = rope.at(positions, dtype).apply(qk)
+    cos, sin = rope.cos_sin(positions, dtype)  # in the model dtype, as HF rounds them
+    expected = hf_rotate(qk, cos, sin)
+    assert out.shape == (t, heads + kv, 64) and out.is_contiguous()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+    if dtype == torch.bfloat16:
+        assert ulps_apart(out, expected.to(dtype)) <= 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_silu_then_product(dtype):
+    torch.manual_seed(2)
+    gate_up = (3 * torch.randn(9, 2 * 1536)).to(dtype)
+    gate, up = gate_up.split(1536, -1)
+    out = kernels.ops().silu_mul(gate_up)
+    g = gate.double()
+    act = (g / (1 + torch.exp(-g))).to(dtype)  # torch rounds silu's result, then the product
+    expected = (act.double() * up.double()).to(dtype)
+    assert ulps_apart(out, expected) <= (1 if dtype == torch.bfloat16 else 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_rows_result_does_not_depend_on_the_row_count(dtype):
+    torch.manual_seed(3)
+    x, r, w = torch.randn(70, 576).to(dtype), torch.randn(70, 576).to(dtype), torch.randn(576).to(dtype)
+    gate_up = torch.randn(70, 2 * 1536).to(dtype)
+    rope = RotaryEmbedding(64, 10000.0, None, 128)
+    qk = torch.randn(70, 12, 64).to(dtype)
+    positions = torch.arange(70)
+    ops = kernels.ops()
+    first_norm = ops.add_rms_norm(x[:1], r[:1], w, 1e-5)[0]
+    first_act = ops.silu_mul(gate_up[:1])
+    first_rot = rope.at(positions[:1], dtype).apply(qk[:1])
+    for m in (2, 7, 16, 17, 33, 70):
+        assert torch.equal(ops.add_rms_norm(x[:m], r[:m], w, 1e-5)[0][:1], first_norm)
+        assert torch.equal(ops.silu_mul(gate_up[:m])[:1], first_act)
+        assert torch.equal(rope.at(positions[:m], dtype).apply(qk[:m])[:1], first_rot)
+
+
+def test_the_layers_take_the_fused_path_and_agree_with_their_torch_path(monkeypatch):
+    torch.manual_seed(4)
+    norm = RMSNorm(576, 1e-5, torch.bfloat16)
+    norm.weight.data = torch.randn(576).to(torch.bfloat16)
+    mlp = SwiGLUMLP(64, 96, torch.bfloat16)
+    mlp.gate_up_proj.data = torch.randn(192, 64).to(torch.bfloat16)
+    mlp.down_proj.data = torch.randn(64, 96).to(torch.bfloat16)
+    x, r, h = torch.randn(5, 576).to(torch.bfloat16), torch.randn(5, 576).to(torch.bfloat16), torch.randn(5, 64)
+    h = h.to(torch.bfloat16)
+    calls = []
+    ops = kernels.ops()
+
+    class Spy:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(ops, name)
+
+    monkeypatch.setattr(kernels, "ops", lambda: Spy())
+    fused_norm, fused_sum = norm(x, r)
+    fused_mlp = mlp(h)
+    assert {"add_rms_norm", "silu_mul"} <= set(calls)
+    monkeypatch.setattr(kernels, "fused", lambda x: False)
+    plain_norm, plain_sum = norm(x, r)
+    assert torch.equal(fused_sum, plain_sum) and ulps_apart(fused_norm, plain_norm) <= 1
+    torch.testing.assert_close(fused_mlp.float(), mlp(h).float(), atol=0.1, rtol=0.02)
+
+
+def test_bad_inputs_are_refused_with_the_reason():
+    ops = kernels.ops()
+    with pytest.raises(RuntimeError, match="position 9 is past the table"):
+        ops.rotary(torch.randn(1, 64), torch.randn(4, 32), torch.randn(4, 32), torch.tensor([9]), 1, 64)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.add_rms_norm(torch.randn(8, 4).t(), None, torch.randn(8), 1e-5)
