@@ -16,14 +16,13 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tessera.attention.backend import AttentionBackend
 from tessera.attention.metadata import AttentionMetadata
 from tessera.config import ModelConfig
 from tessera.model.base import CausalLM, KVCache, WeightTargets, whole
-from tessera.model.layers import GeGLUMLP, GemmaRMSNorm, RotaryEmbedding, _empty_param, apply_rotary, embedding, linear
+from tessera.model.layers import GeGLUMLP, GemmaRMSNorm, RopeAt, RotaryEmbedding, _empty_param, embedding, linear
 
 # llama.cpp's Gemma 3 layer pattern and local rope base, which GGUF files do not store.
 GGUF_SLIDING_PATTERN = 6
@@ -44,13 +43,12 @@ class Gemma3Attention(nn.Module):
         self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
         self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeAt, kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = linear(x, self.qkv_proj)
-        q = apply_rotary(self.q_norm(qkv[:, : h * d].view(num_tokens, h, d)), cos, sin)
-        k = apply_rotary(self.k_norm(qkv[:, h * d : (h + hkv) * d].view(num_tokens, hkv, d)), cos, sin)
+        q = rope.apply(self.q_norm(qkv[:, : h * d].view(num_tokens, h, d)))
+        k = rope.apply(self.k_norm(qkv[:, h * d : (h + hkv) * d].view(num_tokens, hkv, d)))
         v = qkv[:, (h + hkv) * d :].view(num_tokens, hkv, d)
         out = self.backend.forward(self.layer_idx, q, k, v, kv_cache, metadata, self.scale,
                                    sliding_window=self.sliding_window)
@@ -69,9 +67,8 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = GeGLUMLP(hidden, config.intermediate_size, dtype, device)
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype, device)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        x = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata)
+    def forward(self, hidden: torch.Tensor, rope: RopeAt, kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
+        x = self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata)
         hidden = hidden + self.post_attention_layernorm(x)
         x = self.mlp(self.pre_feedforward_layernorm(hidden))
         return hidden + self.post_feedforward_layernorm(x)
@@ -131,12 +128,11 @@ class Gemma3ForCausalLM(CausalLM):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for a model with {len(self.layers)} layers")
         self.attn_backend.begin_step(attn_metadata)
-        rope_global = self.rotary_global.cos_sin(positions, self.dtype)
-        rope_local = self.rotary_local.cos_sin(positions, self.dtype)
+        rope_global = self.rotary_global.at(positions, self.dtype)
+        rope_local = self.rotary_local.at(positions, self.dtype)
         hidden = embedding(input_ids, self.embed_tokens) * self.embed_scale
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            cos, sin = rope_local if layer.is_local else rope_global
-            hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
+            hidden = layer(hidden, rope_local if layer.is_local else rope_global, kv_cache, attn_metadata)
         return self.norm(hidden)
 
     def _weight_targets(self) -> WeightTargets:
