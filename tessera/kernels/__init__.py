@@ -25,12 +25,23 @@ def available() -> bool:
 
 
 @functools.cache
-def cpu_has_amx_bf16() -> bool:
+def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            return "amx_bf16" in f.read()
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
-        return False
+        pass
+    return frozenset()
+
+
+def cpu_has_amx_bf16() -> bool:
+    return "amx_bf16" in _cpu_flags()
+
+
+def cpu_has_avx512_bf16() -> bool:
+    return "avx512_bf16" in _cpu_flags()
 
 
 def ops():
@@ -38,5 +49,7 @@ def ops():
 
 
 def fused(x: torch.Tensor) -> bool:
-    """Whether the fused elementwise C++ ops can run on x (CPU, float32 or bfloat16)."""
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and available()
+    """Whether the fused elementwise C++ ops can run on x (CPU, float32 or bfloat16; they are
+    written for AVX-512 with bf16 conversions: Zen 4, Sapphire Rapids and later)."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and cpu_has_avx512_bf16()
+            and available())

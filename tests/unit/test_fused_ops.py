@@ -10,7 +10,8 @@ import torch
 from tessera import kernels
 from tessera.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="the C++ kernels did not build here")
+pytestmark = pytest.mark.skipif(not (kernels.available() and kernels.cpu_has_avx512_bf16()),
+                                reason="the fused ops need the C++ kernels and AVX-512 bf16")
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -10,58 +10,59 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
+// AVX-512 (with bf16 conversions) for everything below, whatever -march=native says: the library
+// must also build on CPUs without it (Zen 3), where tessera.kernels.fused() keeps the torch path.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
+
 namespace {
 
-inline float load(const float* p, int64_t i) { return p[i]; }
-inline float load(const at::BFloat16* p, int64_t i) {
-  const uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
+// 16 lanes at a time (AVX-512), a mask for the tail: the same instruction stream for every row.
+inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1); }
+
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const at::BFloat16* p, __mmask16 m) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16(at::BFloat16* p, __m512 v, __mmask16 m) {
+  const __m256bh h = _mm512_cvtneps_pbh(v);  // round to nearest even, as torch's .to(bfloat16)
+  _mm256_mask_storeu_epi16(p, m, reinterpret_cast<const __m256i&>(h));
+}
+// v rounded to the element type T (identity for float): where HF's bf16 code rounds, we round.
+inline __m512 round16(__m512 v, const float*) { return v; }
+inline __m512 round16(__m512 v, const at::BFloat16*) {
+  const __m256bh h = _mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(h)), 16));
 }
 
-// fp32 -> bf16, round to nearest even (what torch's .to(bfloat16) does for finite values).
-inline uint16_t bf16_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN stays NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
+// exp(x): 2^n times a degree-6 polynomial of the reduced argument (libm's expf is scalar).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.3981999507e-3f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i bits = _mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23));
+  return _mm512_castsi512_ps(bits);
 }
-inline float round_to(float f, const float*) { return f; }
-inline float round_to(float f, const at::BFloat16*) {
-  const uint32_t bits = static_cast<uint32_t>(bf16_bits(f)) << 16;
-  float r;
-  std::memcpy(&r, &bits, 4);
-  return r;
-}
-inline void store(float* p, int64_t i, float v) { p[i] = v; }
-inline void store(at::BFloat16* p, int64_t i, float v) { reinterpret_cast<uint16_t*>(p)[i] = bf16_bits(v); }
 
-// exp(x) by 2^n times a degree-6 polynomial of the reduced argument; plain loops over float
-// arrays so the compiler vectorizes them (libm's expf does not vectorize without -ffast-math).
-inline float poly_exp(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  float r = x - n * 0.693145751953125f;
-  r = r - n * 1.428606765330187e-06f;
-  float p = 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + (r + 1.0f);
-  int32_t bits;
-  std::memcpy(&bits, &p, 4);
-  bits += static_cast<int32_t>(n) << 23;
-  float e;
-  std::memcpy(&e, &bits, 4);
-  return e;
+void check_cpu() {
+  static const bool ok = __builtin_cpu_supports("avx512bf16");
+  TORCH_CHECK(ok, "the fused ops need AVX-512 bf16 (tessera.kernels.fused() is False on this CPU)");
 }
 
 constexpr int64_t kGrain = 16;  // rows per parallel task: small batches stay on one thread
@@ -74,21 +75,28 @@ void add_rms_norm_rows(const T* x, const T* res, const T* w, T* out, T* sum_out,
       const T* xr = x + r * d;
       T* o = out + r * d;
       T* s = sum_out ? sum_out + r * d : nullptr;
-      // 16 partial sums in a fixed order, then a fixed tree: the same for every row count.
-      float part[16] = {};
-      for (int64_t i = 0; i < d; ++i) {
-        float v = load(xr, i);
+      // Lane j sums the squares of elements j, j + 16, ... in order; then a fixed tree.
+      __m512 sq = _mm512_setzero_ps();
+      for (int64_t i = 0; i < d; i += 16) {
+        const __mmask16 m = tail_mask(d - i);
+        __m512 v = load16(xr + i, m);
         if (res) {
-          v = round_to(v + load(res + r * d, i), xr);
-          store(s, i, v);
+          v = round16(_mm512_add_ps(v, load16(res + r * d + i, m)), xr);
+          store16(s + i, v, m);
         }
-        part[i & 15] += v * v;
+        sq = _mm512_fmadd_ps(v, v, sq);
       }
+      alignas(64) float part[16];
+      _mm512_store_ps(part, sq);
       for (int step = 8; step > 0; step /= 2)
         for (int j = 0; j < step; ++j) part[j] += part[j + step];
-      const float inv = 1.0f / std::sqrt(part[0] / static_cast<float>(d) + eps);
+      const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(part[0] / static_cast<float>(d) + eps));
       const T* src = res ? s : xr;
-      for (int64_t i = 0; i < d; ++i) store(o, i, round_to(round_to(load(src, i) * inv, xr) * load(w, i), xr));
+      for (int64_t i = 0; i < d; i += 16) {
+        const __mmask16 m = tail_mask(d - i);
+        const __m512 normed = round16(_mm512_mul_ps(load16(src + i, m), inv), xr);
+        store16(o + i, _mm512_mul_ps(normed, load16(w + i, m)), m);
+      }
     }
   });
 }
@@ -97,6 +105,7 @@ void add_rms_norm_rows(const T* x, const T* res, const T* w, T* out, T* sum_out,
 // residual the second output is x itself.
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                                 const at::Tensor& weight, double eps) {
+  check_cpu();
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "add_rms_norm: contiguous tensors only");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "add_rms_norm: x and weight dtypes differ");
   const bool has_res = residual.has_value() && residual->defined();
@@ -130,12 +139,14 @@ void rotary_rows(const T* x, int64_t row_stride, const float* cos, const float* 
       for (int64_t h = 0; h < heads; ++h) {
         const T* xr = x + t * row_stride + h * d;
         T* o = out + (t * heads + h) * d;
-        for (int64_t i = 0; i < half; ++i) {
+        for (int64_t i = 0; i < half; i += 16) {
+          const __mmask16 m = tail_mask(half - i);
           // cos and sin in the model dtype, as the unfused path (and HF) uses them.
-          const float ci = round_to(c[i], xr), si = round_to(s[i], xr);
-          const float x1 = load(xr, i), x2 = load(xr, i + half);
-          store(o, i, x1 * ci - x2 * si);
-          store(o, i + half, x2 * ci + x1 * si);
+          const __m512 ci = round16(_mm512_maskz_loadu_ps(m, c + i), xr);
+          const __m512 si = round16(_mm512_maskz_loadu_ps(m, s + i), xr);
+          const __m512 x1 = load16(xr + i, m), x2 = load16(xr + half + i, m);
+          store16(o + i, _mm512_fmsub_ps(x1, ci, _mm512_mul_ps(x2, si)), m);
+          store16(o + half + i, _mm512_fmadd_ps(x2, ci, _mm512_mul_ps(x1, si)), m);
         }
       }
     }
@@ -146,6 +157,7 @@ void rotary_rows(const T* x, int64_t row_stride, const float* cos, const float* 
 // strided: a view into the fused qkv output) at positions pos; returns [T, heads, d].
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
                   int64_t heads, int64_t d) {
+  check_cpu();
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) >= heads * d, "rotary: x must be [T, >= heads * d]");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
               sin.is_contiguous() && cos.size(1) == d / 2, "rotary: cos/sin must be fp32 [positions, d / 2]");
@@ -171,15 +183,17 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 template <typename T>
 void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
   at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    const __m512 one = _mm512_set1_ps(1.0f);
     for (int64_t r = begin; r < end; ++r) {
       const T* g = gu + r * 2 * inter;
       const T* u = g + inter;
       T* o = out + r * inter;
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) {
-        const float gv = load(g, i);
-        const float act = round_to(gv / (1.0f + poly_exp(-gv)), g);  // silu rounds, then the product
-        store(o, i, act * load(u, i));
+      for (int64_t i = 0; i < inter; i += 16) {
+        const __mmask16 m = tail_mask(inter - i);
+        const __m512 gv = load16(g + i, m);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        const __m512 act = round16(_mm512_div_ps(gv, _mm512_add_ps(one, e)), g);  // silu rounds, then the product
+        store16(o + i, _mm512_mul_ps(act, load16(u + i, m)), m);
       }
     }
   });
@@ -187,6 +201,7 @@ void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
 
 // silu(gate_up[:, :inter]) * gate_up[:, inter:] -> [T, inter].
 at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_cpu();
   TORCH_CHECK(gate_up.is_contiguous() && gate_up.size(-1) % 2 == 0, "silu_mul: contiguous [T, 2 * inter] only");
   const int64_t inter = gate_up.size(-1) / 2, rows = inter ? gate_up.numel() / (2 * inter) : 0;
   auto shape = gate_up.sizes().vec();
@@ -201,6 +216,8 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 }
 
 }  // namespace
+
+#pragma GCC pop_options
 
 TORCH_LIBRARY_FRAGMENT(tessera_inv, m) {
   m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");

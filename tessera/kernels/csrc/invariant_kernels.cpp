@@ -33,6 +33,12 @@ bool amx_permitted() {
   return ok;
 }
 
+// AMX and AVX-512 code generation for the bf16 kernel whatever -march=native says, so the library
+// also builds on CPUs without them (Zen 3); tessera.kernels.linear only calls it where the CPU
+// has AMX. A pragma rather than attributes: the parallel_for lambdas must get the target too.
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")
+
 struct alignas(64) TileConfig {
   uint8_t palette_id;
   uint8_t start_row;
@@ -42,7 +48,7 @@ struct alignas(64) TileConfig {
 };
 
 // Tiles 0-3: C (16 x 16 fp32), 4-5: A (16 rows x 32 bf16), 6-7: B (16 k-pairs x 16 cols x 2).
-__attribute__((target("amx-tile,amx-bf16"))) void configure_tiles() {
+void configure_tiles() {
   TileConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));
   cfg.palette_id = 1;
@@ -53,7 +59,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-__attribute__((target("avx512f,avx512bf16"))) inline void store_row_bf16(
+inline void store_row_bf16(
     const float* c, const float* bias, at::BFloat16* out, int n) {
   // n <= 16 columns of one C tile row, plus bias, rounded to bf16 (nearest even).
   __mmask16 mask = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
@@ -67,7 +73,7 @@ __attribute__((target("avx512f,avx512bf16"))) inline void store_row_bf16(
 // Rows go 32 at a time (two A tiles share each B tile); a last group of at most 16 rows uses one
 // A tile and half the tile products. Either way a C tile row is its A row times B, summed over K
 // in the same order, so the grouping never changes a row's result.
-__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) void amx_gemm(
+void amx_gemm(
     const at::BFloat16* a, const at::BFloat16* b, const float* bias, at::BFloat16* out, int64_t m,
     int64_t mp, int64_t n, int64_t np, int64_t kp) {
   const int64_t n_pairs = np / 32, m_tiles = mp / 16, k_steps = kp / 32;
@@ -157,6 +163,8 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const c10::
   shape.back() = n;
   return out.view(shape);
 }
+
+#pragma GCC pop_options
 
 // fp32: out[m, n] = sum_k x[m, k] * wt[k, n] in k order, 64 columns x 4 rows at a time.
 // wt is the weight transposed and padded to [K, Np] with Np a multiple of 64.
