@@ -8,8 +8,9 @@
 // same arithmetic, so a token computed as a decode equals the same token computed in a prefill.
 //
 // Speed comes from sharing loads, never from changing a row's arithmetic:
-// - a work item is (up to 16 consecutive query tokens of one sequence) x (one KV head): each K/V
-//   tile is read and converted to fp32 once for all its query heads (GQA) and tokens;
+// - a work item is up to 16 consecutive query tokens of one sequence x all KV heads: each K/V
+//   tile's slot rows are read once, contiguously, and each KV head's part is converted to fp32
+//   once for all its query heads (GQA) and tokens;
 // - K tiles are transposed (kT[d][key]) so one FMA scores 16 keys; a row's score is 8 FMA
 //   chains over d (d = 8i + l, chain l) summed in a fixed tree, whichever rows share the tile;
 // - two query heads of one token share every kT and V load (same FMAs per row as alone);
