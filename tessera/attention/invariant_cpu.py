@@ -5,8 +5,11 @@ its own context through the block table, in place (no gathered copy of the conte
 16-position tiles with an fp32 online softmax. A row's output therefore does not depend on the
 batch, on where a prefill chunk starts, or on whether its prefix came from the cache.
 
-Quantized KV caches (--kv-cache-dtype int8/fp8), sliding-window layers and head dims the kernel
-has no instance for go through the plain torch backend this class extends.
+Sliding-window layers (Mistral, Gemma 3's local layers) pass their window to the kernel, which
+reads only the keys inside each row's window (blocks behind it may be block 0). Quantized KV
+caches (--kv-cache-dtype int8/fp8) are dequantized in the kernel as it reads them (codes times
+the fp32 scale of their slot and KV head), so they are invariant too. Head dims the kernel has
+no instance for, and non-CPU tensors, go through the plain torch backend this class extends.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 from tessera import kernels
 from tessera.attention.metadata import AttentionMetadata
 from tessera.attention.torch_cpu import TorchCPUAttention
-from tessera.quant.kv import is_quantized
+from tessera.quant.kv import is_quantized, write_quantized
 
 _HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 
@@ -61,7 +64,7 @@ def _kernel_plan(metadata: AttentionMetadata) -> _KernelPlan:
 
 class InvariantCPUAttention(TorchCPUAttention):
     name = "invariant"
-    supports_quantized_kv = True  # through the torch backend's path
+    supports_quantized_kv = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -72,17 +75,21 @@ class InvariantCPUAttention(TorchCPUAttention):
         self._kernel_plan = None
 
     def forward(self, layer_idx, q, k, v, kv_cache, metadata, scale, sliding_window=None):
-        k_cache = kv_cache[0]
-        # Sliding-window layers (Mistral, Gemma 3's local layers) take the torch path's masks.
-        if (sliding_window is not None or is_quantized(kv_cache) or q.shape[-1] not in _HEAD_DIMS
-                or k_cache.dtype != q.dtype or q.device.type != "cpu" or not kernels.available()
-                or metadata.block_size is None):
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        quantized = is_quantized(kv_cache)
+        if (q.shape[-1] not in _HEAD_DIMS or (k_cache.dtype != q.dtype and not quantized)
+                or q.device.type != "cpu" or not kernels.available() or metadata.block_size is None):
             return super().forward(layer_idx, q, k, v, kv_cache, metadata, scale, sliding_window)
-        v_cache = kv_cache[1]
-        k_cache.index_copy_(0, metadata.slot_mapping, k)
-        v_cache.index_copy_(0, metadata.slot_mapping, v)
+        if quantized:
+            k_scales, v_scales = kv_cache[2], kv_cache[3]
+            write_quantized(kv_cache, k, v, metadata.slot_mapping, q.dtype)  # codes + scales; reads dequantize
+        else:
+            k_scales = v_scales = None
+            k_cache.index_copy_(0, metadata.slot_mapping, k)
+            v_cache.index_copy_(0, metadata.slot_mapping, v)
         plan = self._kernel_plan
         if plan is None or plan.metadata is not metadata:
             plan = self._kernel_plan = _kernel_plan(metadata)
         return kernels.ops().paged_attention(q, k_cache, v_cache, plan.block_tables, plan.token_row,
-                                             plan.token_ctx, metadata.block_size, scale)
+                                             plan.token_ctx, metadata.block_size, scale, sliding_window or 0,
+                                             k_scales, v_scales)

@@ -171,3 +171,76 @@ def test_bf16_prefix_cache_hit_and_batch_equal_the_request_alone(tiny_model_dir)
     # for bit (with oneDNN's linears and the torch attention they differ in the last digits).
     assert _greedy(cached, prompts, with_logprobs=True) == alone
     assert cached.stats().prefix_cache_hits > 0
+
+
+def _quantized_cache(k_cache, v_cache, kv_dtype):
+    """(codes, codes, scales, scales) of a cache, and the dequantized float64 K and V the
+    reference attends to."""
+    from tessera.quant.kv import _FORMATS, dequantize, quantize
+
+    (kc, ks), (vc, vs) = (quantize(c, _FORMATS[kv_dtype][0]) for c in (k_cache, v_cache))
+    return (kc, vc, ks, vs), dequantize(kc, ks).double(), dequantize(vc, vs).double()
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8"])
+@pytest.mark.parametrize("window", [None, 1, 13, 40])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_paged_attention_window_and_quantized_kv(kv_dtype, window, block_size):
+    """Sliding windows and int8/fp8 caches in the kernel: every row against float64 attention
+    over the dequantized keys inside its window, with the blocks behind every window released
+    to block 0 (filled with NaN: a read of them would show); and each token of a prefill chunk
+    run alone as a decode gives the same bits."""
+    h, hkv, d = 9, 3, 64
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(7)
+    num_blocks = 48
+    k_src = torch.randn(num_blocks * block_size, hkv, d, generator=gen).to(dtype)
+    v_src = torch.randn(num_blocks * block_size, hkv, d, generator=gen).to(dtype)
+    if kv_dtype == "auto":
+        cache, k_ref, v_ref = (k_src, v_src), k_src.double(), v_src.double()
+    else:
+        cache, k_ref, v_ref = _quantized_cache(k_src, v_src, kv_dtype)
+    for t in cache[:2]:  # block 0: only padding and released blocks point there
+        t.view(torch.uint8)[:block_size] = 0xFF  # NaN in bf16 and fp8
+    for t in cache[2:]:
+        t[:block_size] = float("nan")  # int8's scales
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    need = lambda c: -(-c // block_size)  # noqa: E731
+    decode_ctx = [3, 45]
+    spans = [(37, 37), (70, 22)]  # a fresh prompt, and a chunk after 48 cached positions
+    tables, cursor = [], 0
+    for c in decode_ctx + [ctx for ctx, _ in spans]:
+        tables.append(perm[cursor: cursor + need(c)])
+        cursor += need(c)
+    if window is not None:  # release what is behind every row's window, as the scheduler does
+        firsts = decode_ctx + [ctx - n + 1 for ctx, n in spans]
+        for table, first_ctx in zip(tables, firsts, strict=True):
+            for b in range(max(0, first_ctx - window) // block_size):
+                table[b] = 0
+    md = _metadata(tables[:2], decode_ctx, [(t, c, n) for t, (c, n) in zip(tables[2:], spans, strict=True)],
+                   block_size)
+    q = torch.randn(md.num_tokens, h, d, generator=gen).to(dtype)
+    # New K/V: what the cache holds at those slots, so writing them back changes nothing.
+    k_new = k_src[md.slot_mapping].clone()
+    v_new = v_src[md.slot_mapping].clone()
+    backend = InvariantCPUAttention()
+    backend.begin_step(md)
+    out = backend.forward(0, q, k_new, v_new, cache, md, d**-0.5, window)
+    positions = [(t, c) for t, c in zip(tables[:2], decode_ctx, strict=True)]
+    for table, (ctx, qlen) in zip(tables[2:], spans, strict=True):
+        positions += [(table, ctx - qlen + j + 1) for j in range(qlen)]
+    for row, (table, ctx) in enumerate(positions):
+        first = 0 if window is None else max(0, ctx - window)
+        slots = torch.tensor(slots_for_positions(table, first, ctx, block_size))
+        ref = _naive_attention(q[row], k_ref, v_ref, slots, d**-0.5)
+        assert (out[row].double() - ref).abs().max() < 2e-2, row
+    # Tokens of the chunk (first, middle, last) run alone as one-row decodes: the same bits.
+    chunk_start = md.num_tokens - spans[1][1]
+    for j in (0, 9, spans[1][1] - 1):
+        ctx = spans[1][0] - spans[1][1] + j + 1
+        alone = _metadata([tables[3]], [ctx], [], block_size)
+        backend.begin_step(alone)
+        row = chunk_start + j
+        single = backend.forward(0, q[row:row + 1], k_new[row:row + 1], v_new[row:row + 1], cache, alone,
+                                 d**-0.5, window)
+        assert torch.equal(single[0], out[row]), j
