@@ -50,7 +50,7 @@ def dequantize_rows(layer: QuantLinear, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` (any shape) of a QuantLinear's weight as float32 [*ids.shape, in_features]."""
     flat = ids.reshape(-1)
     if isinstance(layer, Int4Linear):
-        rows = int4_rows(layer, flat)
+        rows = layer.rows(flat)
     elif hasattr(layer, "dequantize_rows"):
         rows = layer.dequantize_rows(flat)
     else:
