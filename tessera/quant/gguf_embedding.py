@@ -66,6 +66,11 @@ class QuantEmbedding(nn.Module):
         self.layer = layer
         self.dtype = dtype
 
+    @property
+    def out_features(self) -> int:
+        """Rows of the table (the vocabulary): what the model's weight targets read of any slot."""
+        return self.layer.out_features
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return dequantize_rows(self.layer, input_ids).to(self.dtype)
 
