@@ -9,12 +9,19 @@ roofline.py's: the best of a large copy and a large sum.
 
     /tmp/tools/quiet python benchmarks/gemv.py --threads 1
     /tmp/tools/quiet python benchmarks/gemv.py --threads 2 --rows 1,4
+    /tmp/tools/quiet python benchmarks/gemv.py --threads 2 --modes int8,int8-torch,q8_0,q8_0-torch --per-shape
+
+A mode with "-torch" builds its layers with TESSERA_QUANT_INVARIANT=0: the shape-picked torch /
+AVX-512 kernels that run where the batch-invariant AMX kernel (tessera/quant/invariant.py) does
+not; without the suffix the layers take whatever the machine's default is. `--per-shape` also
+prints each weight shape's share (its 30 copies, or the one lm_head) in GB/s.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -30,6 +37,7 @@ from tessera.quant import native_gemv  # noqa: E402
 from tessera.quant.gguf_native import Q8_0Linear  # noqa: E402
 from tessera.quant.int4 import Int4Linear  # noqa: E402
 from tessera.quant.int8 import Int8Linear  # noqa: E402
+from tessera.quant.w8a8 import W8A8Linear  # noqa: E402
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LM_HEAD = (49152, 576)
@@ -40,12 +48,20 @@ def shapes(layers: int) -> list[tuple[int, int]]:
 
 
 def build(mode: str, weights: list[torch.Tensor]):
+    if mode.endswith("-torch"):
+        os.environ["TESSERA_QUANT_INVARIANT"] = "0"
+        try:
+            return build(mode.removesuffix("-torch"), weights)
+        finally:
+            del os.environ["TESSERA_QUANT_INVARIANT"]
     if mode == "fp32":
         return weights
     if mode == "bf16":
         return [w.to(torch.bfloat16) for w in weights]
     if mode == "int8":
         return [Int8Linear.from_float(w) for w in weights]
+    if mode == "w8a8":
+        return [W8A8Linear.from_float(w) for w in weights]
     if mode == "int4":  # also GGUF Q4_0 / Q4_1, which load into this format
         return [Int4Linear.from_float(w, 32) for w in weights]
     if mode == "q8_0":
@@ -69,6 +85,7 @@ def main() -> None:
     p.add_argument("--rows", default="1")
     p.add_argument("--modes", default="fp32,bf16,int8,int4,q8_0")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--per-shape", action="store_true", help="also time each weight shape's layers alone")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -82,11 +99,13 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen) * 0.02 for n, k in shapes(args.layers)]
     results = []
-    print(f"{'mode':<6} {'kernel':<9} {'rows':>4} {'MiB/token':>10} {'ms/token':>9} {'GB/s':>7} {'% of bw':>8}")
+    print(f"{'mode':<10} {'kernel':<9} {'rows':>4} {'MiB/token':>10} {'ms/token':>9} {'GB/s':>7} {'% of bw':>8}")
     for mode in args.modes.split(","):
         layers = build(mode, weights)
         total = sum(nbytes(layer) for layer in layers)
         kernels = ("F.linear",) if mode in ("fp32", "bf16") else layers[0].kernels
+        if mode.endswith("-torch") and "native" in kernels:
+            kernels = ("native",)  # the decode kernel the layers pick at M <= 8
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, 576, generator=gen)
             xs = {576: x, 1536: torch.randn(m, 1536, generator=gen)}
@@ -107,8 +126,25 @@ def main() -> None:
                 row = dict(mode=mode, kernel=kernel, rows=m, bytes=total, seconds=seconds,
                            gb_s=total / seconds / 1e9, fraction=total / seconds / bandwidth)
                 results.append(row)
-                print(f"{mode:<6} {kernel:<9} {m:>4} {total / 2**20:>10.1f} {seconds * 1e3:>9.2f} "
+                print(f"{mode:<10} {kernel:<9} {m:>4} {total / 2**20:>10.1f} {seconds * 1e3:>9.2f} "
                       f"{row['gb_s']:>7.1f} {100 * row['fraction']:>7.0f}%", flush=True)
+                if args.per_shape:
+                    for shape in dict.fromkeys(shapes(1)):
+                        group = [lay for lay, wt in zip(layers, weights, strict=True) if tuple(wt.shape) == shape]
+                        gbytes = sum(nbytes(lay) for lay in group)
+
+                        def run_group(group=group, xs=xs, kernel=kernel, mode=mode):
+                            for layer in group:
+                                if mode in ("fp32", "bf16"):
+                                    F.linear(xs[layer.shape[1]], layer)
+                                else:
+                                    layer(xs[layer.in_features], kernel=kernel)
+                        gs = timed(run_group, 1, args.repeats)
+                        results.append(dict(mode=mode, kernel=kernel, rows=m, shape=shape, copies=len(group),
+                                            bytes=gbytes, seconds=gs, gb_s=gbytes / gs / 1e9))
+                        print(f"    {shape[0]:>5} x {shape[1]:<5} x{len(group):<3} {gbytes / 2**20:>8.1f} MiB "
+                              f"{gs * 1e3:>8.2f} ms {gbytes / gs / 1e9:>6.1f} GB/s "
+                              f"{100 * gbytes / gs / bandwidth:>4.0f}%", flush=True)
         del layers
     out = Path(args.out or f"results/gemv_t{args.threads}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

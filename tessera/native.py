@@ -31,6 +31,7 @@ logger = logging.getLogger("tessera")
 EXTENSIONS = {
     "tessera_gemv": ("tessera.quant.native_gemv", "available"),
     "tessera_invariant": ("tessera.kernels", "available"),
+    "tessera_qgemm": ("tessera.quant.invariant", "available"),
 }
 
 CFLAGS = ["-O3", "-march=native", "-std=c++20", "-fno-math-errno", "-fopenmp"]

@@ -50,7 +50,7 @@ def dequantize_rows(layer: QuantLinear, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` (any shape) of a QuantLinear's weight as float32 [*ids.shape, in_features]."""
     flat = ids.reshape(-1)
     if isinstance(layer, Int4Linear):
-        rows = int4_rows(layer, flat)
+        rows = layer.rows(flat)
     elif hasattr(layer, "dequantize_rows"):
         rows = layer.dequantize_rows(flat)
     else:
@@ -65,6 +65,11 @@ class QuantEmbedding(nn.Module):
         super().__init__()
         self.layer = layer
         self.dtype = dtype
+
+    @property
+    def out_features(self) -> int:
+        """Rows of the table (the vocabulary): what the model's weight targets read of any slot."""
+        return self.layer.out_features
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return dequantize_rows(self.layer, input_ids).to(self.dtype)

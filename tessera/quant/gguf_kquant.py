@@ -26,6 +26,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.constants import GGML_QUANT_SIZES
 
+from tessera.quant import invariant
 from tessera.quant.linear import QuantLinear, tile_rows_for, tiled_matmul
 
 KQUANT_TYPES = (Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
@@ -110,8 +111,6 @@ def decode_rows(raw: torch.Tensor, qtype: Q) -> torch.Tensor:
 class GGUFBlockLinear(QuantLinear):
     """A GGUF weight of a KQUANT_TYPES block type, kept as its file bytes, decoded per row tile."""
 
-    kernels = ("dequant",)
-
     def __init__(self, raw: torch.Tensor, qtype: Q) -> None:
         block, nbytes = GGML_QUANT_SIZES[qtype]
         if qtype not in _DECODERS:
@@ -121,6 +120,8 @@ class GGUFBlockLinear(QuantLinear):
         self.qtype = qtype
         self.method = f"gguf {qtype.name}"
         self.register_buffer("raw", raw.contiguous())
+        self.invariant = invariant.enabled(raw.device) and self.in_features % 32 == 0
+        self.kernels = ("invariant",) if self.invariant else ("dequant",)
 
     @classmethod
     def from_gguf(cls, data: np.ndarray, qtype: Q, rows: int) -> GGUFBlockLinear:
@@ -137,10 +138,27 @@ class GGUFBlockLinear(QuantLinear):
         return decode_rows(self.raw[ids.reshape(-1)], self.qtype).reshape(*ids.shape, self.in_features)
 
     def select_kernel(self, num_rows: int) -> str:
-        return "dequant"
+        return self.kernels[0]
 
     def run_kernel(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+        if kernel == "invariant" and self.invariant:
+            return self._invariant_matmul(x)
         if kernel != "dequant":
             raise ValueError(f"unknown {self.method} kernel {kernel!r}; have {self.kernels}")
         # A decode tile is built from several temporaries per element: keep tiles a quarter size.
         return tiled_matmul(x, self.out_features, max(1, tile_rows_for(self.in_features) // 4), self._fill)
+
+    def _invariant_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """Batch-invariant: row tiles (a fixed split of N, never of M) decoded, rounded to bf16
+        (with a bf16 remainder for float32 activations), packed in tile order and multiplied by
+        the AMX kernel (invariant.py); each output column is reduced over K in one fixed order
+        whatever M is."""
+        rows = max(32, tile_rows_for(self.in_features) // 4 // 32 * 32)
+        y = x.new_empty(x.shape[0], self.out_features)
+        for start in range(0, self.out_features, rows):
+            end = min(start + rows, self.out_features)
+            w = decode_rows(self.raw[start:end], self.qtype)
+            hi = w.to(torch.bfloat16)
+            lo = invariant.pack_tiles((w - hi.float()).to(torch.bfloat16)) if x.dtype != torch.bfloat16 else None
+            y[:, start:end] = invariant.qgemm(x, invariant.pack_tiles(hi), hi, lo, invariant.BF16, end - start)
+        return y

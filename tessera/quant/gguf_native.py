@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from tessera.quant import native_gemv
+from tessera.quant import invariant, native_gemv
 from tessera.quant.gguf_kquant import KQUANT_TYPES, GGUFBlockLinear
 from tessera.quant.int4 import Int4Linear
 from tessera.quant.linear import QuantLinear, tile_rows_for, tiled_matmul
@@ -75,23 +75,40 @@ def decode_q8_0(raw: np.ndarray, rows: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 class Q8_0Linear(QuantLinear):
-    """A GGUF Q8_0 weight: int8 codes with a float16 scale per 32. Decode-sized calls take the C++
-    GEMV (native_gemv.py) when it is built; others dequantize in tiles per call."""
+    """A GGUF Q8_0 weight: int8 codes with a float16 scale per 32. On AMX CPUs every call takes the
+    batch-invariant kernel (invariant.py: codes and scales in tile order, W = d q rounded to bf16
+    in registers); elsewhere decode-sized calls take the C++ GEMV (native_gemv.py) when it is
+    built and others dequantize in tiles per call (neither is batch-invariant)."""
 
     method = "gguf Q8_0"
 
     @property
     def kernels(self) -> tuple[str, ...]:  # "native" only where the C++ extension is built
+        if self.invariant:
+            return ("invariant",)
         return (("native",) if native_gemv.available() else ()) + ("dequant",)
 
     def __init__(self, codes: torch.Tensor, d: torch.Tensor) -> None:
         super().__init__(codes.shape[0], codes.shape[1])
-        self.register_buffer("codes", codes.contiguous())
-        self.register_buffer("d", d.to(torch.float16).contiguous())  # the file's own scales, exactly
+        self.invariant = invariant.enabled(codes.device)
+        d = d.to(torch.float16)  # the file's own scales, exactly
+        if self.invariant:  # tile order is the only copy
+            self.register_buffer("tiles", invariant.pack_tiles(codes))
+            self.register_buffer("tile_d", invariant.pack_blocks(d))
+        else:
+            self.register_buffer("codes", codes.contiguous())
+            self.register_buffer("d", d.contiguous())
+
+    def _codes_and_d(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.invariant:
+            n, k = self.out_features, self.in_features
+            return invariant.unpack_tiles(self.tiles, n, k), invariant.unpack_blocks(self.tile_d, n)
+        return self.codes, self.d
 
     def _fill(self, start: int, end: int, tile: torch.Tensor) -> None:
-        tile.copy_(self.codes[start:end])
-        tile.view(end - start, -1, BLOCK).mul_(self.d[start:end, :, None].to(tile.dtype))
+        codes, d = self._codes_and_d()
+        tile.copy_(codes[start:end])
+        tile.view(end - start, -1, BLOCK).mul_(d[start:end, :, None].to(tile.dtype))
 
     def dequantize(self) -> torch.Tensor:
         w = torch.empty(self.out_features, self.in_features)
@@ -101,15 +118,24 @@ class Q8_0Linear(QuantLinear):
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight as float32 [*ids.shape, in_features], exactly as dequantize()."""
         flat = ids.reshape(-1)
-        w = self.codes[flat].float().view(flat.numel(), -1, BLOCK).mul_(self.d[flat, :, None].float())
+        if self.invariant:
+            codes = invariant.tile_rows(self.tiles, flat, self.in_features)
+            d = self.tile_d[flat // 16, :, flat % 16]
+        else:
+            codes, d = self.codes[flat], self.d[flat]
+        w = codes.float().view(flat.numel(), -1, BLOCK).mul_(d[:, :, None].float())
         return w.view(*ids.shape, self.in_features)
 
     def select_kernel(self, num_rows: int) -> str:
+        if self.invariant:
+            return "invariant"
         if self.codes.device.type == "cpu" and num_rows <= native_gemv.NATIVE_MAX_ROWS and native_gemv.available():
             return "native"
         return "dequant"
 
     def run_kernel(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+        if kernel == "invariant" and self.invariant:
+            return invariant.qgemm(x, self.tiles, self.tile_d, None, invariant.Q8_0, self.out_features)
         if kernel == "native":
             return native_gemv.gemv_q8_0(x, self.codes, self.d)
         if kernel != "dequant":

@@ -21,6 +21,11 @@ Kernels (measured on an AMD Zen 3 without AVX-512, one thread, weights cold in c
   default: on a Sapphire Rapids-class Xeon it ran at 0.8-0.9x int4pack's speed at M = 1.
 - "dequant": unpack a tile of row blocks at a time into float and multiply it (see
   `_dequant_matmul`); for prefill-sized M the unpack is a small fraction of the GEMM.
+- "invariant" (the only kernel where it exists: AMX CPUs, invariant.py): codes in tile order,
+  W = (q - 8) s + z in fp32 rounded once to bf16 in registers, AMX with fp32 sums in a fixed K
+  order; one kernel for every M, so a row's result never depends on the batch. The codes then
+  live only in that layout (`tiles`, `tile_scale`, `tile_zero`), not in torch's; the kernels
+  above serve CPUs without AMX (and TESSERA_QUANT_INVARIANT=0), and are not batch-invariant.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import functools
 
 import torch
 
-from tessera.quant import native_gemv
+from tessera.quant import invariant, native_gemv
 from tessera.quant.linear import TILE_BYTES, QuantLinear, scratch, tile_rows_for, tiled_matmul
 
 # Largest M for which int4pack beats unpack + float32 GEMM (1.2-2.6x at M = 4, 0.7-0.8x at 16).
@@ -84,6 +89,8 @@ class Int4Linear(QuantLinear):
 
     @property
     def kernels(self) -> tuple[str, ...]:  # "native" only where the C++ extension is built
+        if self.invariant:
+            return ("invariant",)
         return (("native",) if native_gemv.available() else ()) + ("int4pack", "dequant")
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> None:
@@ -95,6 +102,13 @@ class Int4Linear(QuantLinear):
                              f"choose a --quant-group-size that does (32 divides most)")
         self.group_size = group_size
         self.num_groups = in_features // group_size
+        self.invariant = invariant.enabled(codes.device) and group_size % 32 == 0
+        if self.invariant:  # tile order only (see the module doc)
+            self.register_buffer("tiles", invariant.pack_nibbles(codes))
+            self.register_buffer("tile_scale", invariant.pack_blocks(scale.to(torch.bfloat16)))
+            self.register_buffer("tile_zero", invariant.pack_blocks(zero.to(torch.bfloat16)))
+            self.padded_rows = out_features
+            return
         self.padded_rows = -(-out_features // _ROW_MULTIPLE) * _ROW_MULTIPLE
         pad = self.padded_rows - out_features
         if pad:  # padding rows compute zeros and are sliced off
@@ -126,6 +140,8 @@ class Int4Linear(QuantLinear):
         return cls(codes, scale, zero, group_size)
 
     def codes(self) -> torch.Tensor:
+        if self.invariant:
+            return invariant.unpack_nibbles(self.tiles, self.out_features, self.in_features)
         return unpack_codes(self.packed, self.padded_rows, self.in_features, packed_layout())[: self.out_features]
 
     def _fill(self, start: int, end: int, tile: torch.Tensor) -> None:
@@ -145,20 +161,49 @@ class Int4Linear(QuantLinear):
         groups = tile.view(rows, self.num_groups, self.group_size)
         groups.sub_(8).mul_(sz[..., 0].t()[..., None]).add_(sz[..., 1].t()[..., None])
 
+    def scales_and_zeros(self, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(s, z) as float32 [rows, groups] for rows `ids` (all rows when None)."""
+        if self.invariant:
+            n = self.out_features
+            s = invariant.unpack_blocks(self.tile_scale, n).float()
+            z = invariant.unpack_blocks(self.tile_zero, n).float()
+        else:
+            s, z = (self.scales_zeros[:, : self.out_features, i].t().float() for i in (0, 1))
+        return (s, z) if ids is None else (s[ids], z[ids])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight, float32 [len(ids), in_features], exactly (q - 8) s + z."""
+        if not self.invariant:
+            from tessera.quant.gguf_embedding import int4_rows
+
+            return int4_rows(self, ids)
+        q = invariant.nibble_rows(self.tiles, ids, self.in_features).float()
+        s, z = self.scales_and_zeros(ids)
+        g = self.group_size
+        return ((q.view(len(ids), -1, g) - 8) * s[..., None] + z[..., None]).view(len(ids), -1)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.invariant:
+            s, z = self.scales_and_zeros()
+            q = self.codes().float().view(self.out_features, -1, self.group_size)
+            return ((q - 8) * s[..., None] + z[..., None]).view(self.out_features, -1).to(dtype)
         w = torch.empty(self.padded_rows, self.in_features, dtype=dtype)
         self._fill(0, self.padded_rows, w)
         return w[: self.out_features]
 
     def native_ok(self) -> bool:
-        return (self.packed.device.type == "cpu" and packed_layout() == 64 and self.group_size % 16 == 0
+        return (not self.invariant and self.packed.device.type == "cpu" and packed_layout() == 64 and self.group_size % 16 == 0
                 and native_gemv.available())
 
     def select_kernel(self, num_rows: int) -> str:
+        if self.invariant:
+            return "invariant"
         # "native" is not chosen: measured slower than int4pack at M = 1 (docs/quantization.md).
         return "int4pack" if num_rows <= INT4PACK_MAX_ROWS else "dequant"
 
     def run_kernel(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+        if kernel == "invariant" and self.invariant:
+            return invariant.qgemm(x, self.tiles, self.tile_scale, self.tile_zero, invariant.INT4, self.out_features)
         if kernel == "native":
             y = native_gemv.gemv_int4pack(x, self.packed, self.scales_zeros, self.group_size)
             return y[:, : self.out_features] if self.padded_rows > self.out_features else y

@@ -13,13 +13,18 @@ weights cold in cache; `benchmarks/quant.py --kernels` re-measures):
 - "dequant": convert the codes to the activation dtype tile by tile (tiled_matmul) and run the
   float GEMM on each tile, scaling the output columns: the float32 GEMM's speed plus one
   conversion pass over the weight.
+- "invariant" (the only kernel where it exists: AMX CPUs, invariant.py): the codes in tile order,
+  converted to bf16 exactly, AMX with fp32 sums in a fixed K order, the scale applied to the sum.
+  One kernel for every M, so a row's result never depends on the batch. The torch kernels
+  above are kept for CPUs without AMX (and TESSERA_QUANT_INVARIANT=0); they pick by M and are
+  not batch-invariant.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tessera.quant import native_gemv
+from tessera.quant import invariant, native_gemv
 from tessera.quant.linear import QuantLinear, tile_rows_for, tiled_matmul
 
 # Largest M for which int8pack beats dequantize + float32 GEMM (measured 1.2-1.9x at M = 4,
@@ -36,14 +41,21 @@ class Int8Linear(QuantLinear):
 
     @property
     def kernels(self) -> tuple[str, ...]:  # "native" only where the C++ extension is built
+        if self.invariant:
+            return ("invariant",)
         return (("native",) if native_gemv.available() else ()) + ("int8pack", "dequant")
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
         """qweight: int8 [out, in]; scale: [out], representable in bfloat16."""
         super().__init__(qweight.shape[0], qweight.shape[1])
-        self.register_buffer("qweight", qweight.contiguous())
-        self.register_buffer("scale", scale.float().contiguous())
-        self.register_buffer("scale_bf16", scale.to(torch.bfloat16).contiguous())
+        self.invariant = invariant.enabled(qweight.device)
+        if self.invariant:  # the tile-order codes are the only copy; scale padded to the tiles' rows
+            self.register_buffer("tiles", invariant.pack_tiles(qweight))
+            self.register_buffer("scale", invariant.pack_blocks(scale.float()[:, None]).view(-1))
+        else:
+            self.register_buffer("scale", scale.float().contiguous())
+            self.register_buffer("qweight", qweight.contiguous())
+            self.register_buffer("scale_bf16", scale.to(torch.bfloat16).contiguous())
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> Int8Linear:
@@ -53,10 +65,18 @@ class Int8Linear(QuantLinear):
         q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
         return cls(q, scale)
 
+    def codes(self) -> torch.Tensor:
+        """The int8 codes [out, in]."""
+        if self.invariant:
+            return invariant.unpack_tiles(self.tiles, self.out_features, self.in_features)
+        return self.qweight
+
     def dequantize(self) -> torch.Tensor:
-        return self.qweight.float() * self.scale[:, None]
+        return self.codes().float() * self.scale[: self.out_features, None]
 
     def select_kernel(self, num_rows: int) -> str:
+        if self.invariant:
+            return "invariant"
         cpu = self.qweight.device.type == "cpu"
         if cpu and num_rows <= native_gemv.NATIVE_MAX_ROWS and native_gemv.available():
             return "native"
@@ -65,6 +85,8 @@ class Int8Linear(QuantLinear):
         return "dequant"
 
     def run_kernel(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+        if kernel == "invariant" and self.invariant:
+            return invariant.qgemm(x, self.tiles, self.scale, None, invariant.INT8, self.out_features)
         if kernel == "native":
             return native_gemv.gemv_int8(x, self.qweight, self.scale)
         if kernel == "int8pack":

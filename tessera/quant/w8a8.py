@@ -17,6 +17,9 @@ Kernels (measured on an AMD Zen 3 without AVX-512 or VNNI, one thread, weights c
   the second row is nearly free), about 1.5-2.5x at M = 32-256. (Quantizing activations to 7 bits
   instead, one call with zero point 64, is as exact and a little faster at large M, but cost 6% of
   perplexity on the default model where full 8 bits cost 1.5%.)
+- "invariant" (AMX CPUs, invariant.py; chosen there): the codes in AMX int8 tile order,
+  `TDPBSSD` s8 x s8 -> exact int32 sums, read straight from memory (no dequantization). Integer
+  sums are exact in any order, so every kernel here is batch-invariant; this one is the fastest.
 - "int_mm": `torch._int_mm`. Exact, but on a CPU without AVX-512 VNNI it is a plain loop, 3-80x
   slower than float32: the fallback where FBGEMM is missing, and the kernel on CUDA (which needs
   M > 16 and a multiple of 8: rows are padded).
@@ -30,6 +33,7 @@ import warnings
 
 import torch
 
+from tessera.quant import invariant
 from tessera.quant.int8 import round_to_bf16
 from tessera.quant.linear import QuantLinear
 
@@ -67,15 +71,17 @@ def _pad_rows(x: torch.Tensor, minimum: int, multiple: int) -> torch.Tensor:
 
 class W8A8Linear(QuantLinear):
     method = "w8a8"
-    kernels = ("fbgemm", "int_mm")
-
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
         """qweight: int8 [out, in] in [-127, 127]; scale: [out]."""
         super().__init__(qweight.shape[0], qweight.shape[1])
         self.register_buffer("scale", scale.float().contiguous())
         self._fbgemm = None
         self.qweight: torch.Tensor | None = None
-        if fbgemm_available() and qweight.device.type == "cpu":
+        self.invariant = invariant.enabled(qweight.device)
+        self.kernels = ("invariant",) if self.invariant else ("fbgemm", "int_mm")
+        if self.invariant:  # AMX int8 tile order is the only copy
+            self.register_buffer("tiles", invariant.pack_tiles(qweight, group=4))
+        elif fbgemm_available() and qweight.device.type == "cpu":
             with warnings.catch_warnings(), _quantized_engine("fbgemm"):
                 # Quantized tensors are deprecated in torch 2.13; FBGEMM's prepack still takes one.
                 warnings.simplefilter("ignore", UserWarning)
@@ -94,6 +100,8 @@ class W8A8Linear(QuantLinear):
 
     def codes(self) -> torch.Tensor:
         """The int8 weight codes [out, in] (read back from FBGEMM's packing when it holds them)."""
+        if self.invariant:
+            return invariant.unpack_tiles(self.tiles, self.out_features, self.in_features)
         if self.qweight is not None:
             return self.qweight
         with warnings.catch_warnings():
@@ -105,17 +113,23 @@ class W8A8Linear(QuantLinear):
         return self.codes().float() * self.scale[:, None]
 
     def weight_bytes(self) -> int:
+        if self.invariant:
+            return super().weight_bytes()
         # FBGEMM's packing holds the int8 codes plus an int32 sum per column (its zero-point
         # correction); the float32 scales come on top.
         return self.out_features * self.in_features + 8 * self.out_features
 
     def select_kernel(self, num_rows: int) -> str:
+        if self.invariant:
+            return "invariant"
         return "fbgemm" if self._fbgemm is not None else "int_mm"
 
     def run_kernel(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
         qx, sx = quantize_per_token(x)
         m = qx.shape[0]
-        if kernel == "fbgemm":
+        if kernel == "invariant" and self.invariant:
+            y = invariant.w8a8_sums(qx.to(torch.int8), self.tiles, self.out_features).float()
+        elif kernel == "fbgemm":
             if self._fbgemm is None:
                 raise ValueError("the fbgemm kernel is not available here (no FBGEMM engine, or not on CPU)")
             # Non-negative halves as integer-valued floats, scale 1, zero point 0: FBGEMM's own

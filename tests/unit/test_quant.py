@@ -1,5 +1,9 @@
 """Quantized linear layers against exact references: round trips, every kernel against the
-dequantized weight, W8A8 against an int64 reference, GGUF blocks against the gguf package."""
+dequantized weight, W8A8 against an int64 reference, GGUF blocks against the gguf package.
+
+These are the torch kernels (the layouts and kernels of CPUs without AMX), so every test here
+builds its layers with TESSERA_QUANT_INVARIANT=0; the AMX batch-invariant kernel and its tile
+layout are tested in test_quant_invariant.py."""
 
 from __future__ import annotations
 
@@ -14,6 +18,11 @@ from tessera.quant.gguf_native import Q8_0Linear, decode_q4_0, decode_q4_1, deco
 from tessera.quant.int4 import Int4Linear, _pack_codes_for_kernel, packed_layout, unpack_codes
 from tessera.quant.int8 import Int8Linear
 from tessera.quant.w8a8 import W8A8Linear, _pad_rows, quantize_per_token
+
+@pytest.fixture(autouse=True)
+def _torch_kernels(monkeypatch):
+    monkeypatch.setenv("TESSERA_QUANT_INVARIANT", "0")
+
 
 # Row counts cover decode (1), the kernel switch points (8 / 9), and prefill-sized calls.
 ROWS = (1, 3, 8, 9, 33)

@@ -18,6 +18,7 @@ from tessera import LLM, SamplingParams
 from tessera.attention.metadata import single_sequence_metadata
 from tessera.config import EngineConfig
 from tessera.model.llama import LlamaForCausalLM
+from tessera.quant import invariant
 from tessera.model.weights import load_model_files
 from tessera.quality import perplexity
 from tessera.quant import QuantLinear, quantize_model, weight_memory_bytes
@@ -107,8 +108,11 @@ def test_weight_memory_counts_codes_and_scales(tiny_model_dir):
     model = load(tiny_model_dir, "int8")
     slots = linear_weight_slots(float_model, quantize_lm_head=False)
     float_bytes = sum(getattr(o, n).numel() * 4 for o, n, _ in slots)
-    # int8: a code per weight, a float32 and a bf16 scale per row.
-    int8_bytes = sum(getattr(o, n).numel() + 6 * getattr(o, n).shape[0] for o, n, _ in slots)
+    if invariant.enabled():  # a code per weight and a float32 scale per row, padded to whole tiles
+        int8_bytes = sum(np_ * kp + 4 * np_ for np_, kp in
+                         (invariant.padded_shape(*getattr(o, n).shape) for o, n, _ in slots))
+    else:  # a code per weight, a float32 and a bf16 scale per row
+        int8_bytes = sum(getattr(o, n).numel() + 6 * getattr(o, n).shape[0] for o, n, _ in slots)
     assert weight_memory_bytes(model) == weight_memory_bytes(float_model) - float_bytes + int8_bytes
 
 

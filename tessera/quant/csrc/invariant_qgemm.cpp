@@ -1,0 +1,370 @@
+// Batch-invariant quantized linear layers on AMX: one kernel for every row count, decode and prefill.
+//
+// Why: the torch kernels for quantized weights are picked by shape (`_weight_int8pack_mm` at a few
+// rows, dequantize + GEMM above), so a token's result depended on how many tokens ran with it.
+// Here a row's result is a function of that row and the weight only:
+//   * the weight is stored in "tile order": per 16 output columns, per 32-wide K step, the 512
+//     weights of one AMX B tile in VNNI order (k pair, column, parity);
+//   * each tile is dequantized into bf16 in registers (W rounded to bf16, round to nearest even,
+//     with bf16 activations; int8 codes are exact in bf16 and their per-row scale is applied to
+//     the fp32 sum instead), then multiplied on AMX (TDPBF16PS) into fp32 C tiles, K steps in order;
+//   * activation rows are padded to 16 with zeros; a C tile row depends only on the same A row.
+//     float32 activations are split into hi + lo bf16 halves (x = hi + lo to about 16 bits), and
+//     so is a dequantized weight that bf16 does not hold exactly; the three products that matter
+//     go into the same C tile in a fixed order per K step (see column_pair).
+//   * w8a8 (int8 x int8, TDPBSSD): integer sums are exact, so any order gives the same result.
+// M = 1 and M = 512 run the same instructions per output element; only how many A tiles there
+// are changes. Loader and packing: tessera/quant/invariant.py.
+//
+// Formats (codes per (column block nb, K step ks) tile, 16 columns x 32 k):
+//   INT8  codes int8 [Nb, Kb, 16, 16, 2], scale f32 [Np] (after the sum)        W = scale[n] q
+//   Q8_0  codes int8 as INT8, d f16 [Nb, Kb, 16]                                W = bf16(d q)
+//   INT4  codes uint8 [Nb, Kb, 16, 16] (byte i of a k-pair row: element i low nibble, i + 16
+//         high), scale, zero bf16 [Nb, G, 16] (group = K / G, a multiple of 32)  W = bf16((q - 8) s + z)
+//   BF16  codes bf16 [Nb, Kb, 16, 16, 2] (already a B tile), optional remainder tiles as zero
+//                                                                               W = codes (+ zero)
+//   W8A8  codes int8 [Nb, K/64, 16, 16, 4], x int8 [M, Kp] with its own scale sx: y = sum * (sx * sw)
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+enum Format : int64_t { kInt8 = 0, kQ8_0 = 1, kInt4 = 2, kBf16 = 3 };
+
+bool amx_permitted() {
+  // Linux hands out AMX tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0-1: C (16 x 16 fp32, two column blocks), 2-3: B remainders, 4: A hi, 5: A lo, 6-7: B.
+__attribute__((target("amx-tile"))) void configure_tiles() {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Per-element expansion of 16 per-column values to the 32 elements of a VNNI row (col = i / 2).
+__attribute__((target("avx512f"))) inline void expand_cols(__m512 v, __m512& lo, __m512& hi) {
+  const __m512i idx_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i idx_hi = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+  lo = _mm512_permutexvar_ps(idx_lo, v);
+  hi = _mm512_permutexvar_ps(idx_hi, v);
+}
+
+__attribute__((target("avx512f"))) inline __m512 bf16x16(const uint16_t* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// 32 fp32 values (f0: elements 0..15, f1: 16..31) rounded to bf16 into hi; with lo, also the
+// rounded remainder (w - hi is exact in fp32), so that hi + lo carries about 16 bits of w.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void store_bf16x32(uint16_t* hi, uint16_t* lo,
+                                                                                __m512 f0, __m512 f1) {
+  __m512bh b = _mm512_cvtne2ps_pbh(f1, f0);  // low half from f0 (elements 0..15), high from f1
+  __m512i bi = reinterpret_cast<__m512i&>(b);
+  _mm512_storeu_si512(hi, bi);
+  if (lo) {
+    __m512 b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(bi)), 16));
+    __m512 b1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(bi, 1)), 16));
+    __m512bh l = _mm512_cvtne2ps_pbh(_mm512_sub_ps(f1, b1), _mm512_sub_ps(f0, b0));
+    _mm512_storeu_si512(lo, reinterpret_cast<__m512i&>(l));
+  }
+}
+
+struct Weight {
+  int64_t fmt, n, np, kp, groups;
+  const void* codes;
+  const void* scale;  // INT8: f32 [Np]; Q8_0: f16 [Nb, Kb, 16]; INT4: bf16 [Nb, G, 16]
+  const void* zero;   // INT4: bf16 [Nb, G, 16]
+};
+
+// Tile (nb, ks) of the weight as a bf16 B tile (512 values, VNNI order) into dst, and its
+// remainder into lo when lo is given (float32 activations: W to about 16 bits).
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void dequant_tile(const Weight& w, int64_t nb, int64_t ks,
+                                                                       uint16_t* dst, uint16_t* lo) {
+  const int64_t kb = w.kp / 32, tile = nb * kb + ks;
+  if (w.fmt == kInt8 || w.fmt == kQ8_0) {
+    const int8_t* src = static_cast<const int8_t*>(w.codes) + tile * 512;
+    __m512 dlo = _mm512_set1_ps(1.f), dhi = dlo;
+    if (w.fmt == kQ8_0) {
+      const uint16_t* d = static_cast<const uint16_t*>(w.scale) + tile * 16;
+      expand_cols(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d))), dlo, dhi);
+    }
+    for (int r = 0; r < 16; ++r) {
+      __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + r * 32));
+      __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+      __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+      if (w.fmt == kQ8_0) {  // d * q is exact in fp32 (11 x 8 bits); one rounding to bf16
+        f0 = _mm512_mul_ps(f0, dlo);
+        f1 = _mm512_mul_ps(f1, dhi);
+      }
+      store_bf16x32(dst + r * 32, lo ? lo + r * 32 : nullptr, f0, f1);
+    }
+  } else if (w.fmt == kInt4) {
+    const uint8_t* src = static_cast<const uint8_t*>(w.codes) + tile * 256;
+    const int64_t g = ks * w.groups / kb;  // the group this K step lies in
+    const int64_t sidx = (nb * w.groups + g) * 16;
+    __m512 slo, shi, zlo, zhi;
+    expand_cols(bf16x16(static_cast<const uint16_t*>(w.scale) + sidx), slo, shi);
+    expand_cols(bf16x16(static_cast<const uint16_t*>(w.zero) + sidx), zlo, zhi);
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m512i eight = _mm512_set1_epi32(8);
+    for (int r = 0; r < 16; ++r) {
+      __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + r * 16));
+      __m128i nib0 = _mm_and_si128(b, low), nib1 = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+      // (q - 8) * s is exact in fp32; + z rounds once (as the fma), then once more to bf16.
+      __m512 f0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(nib0), eight));
+      __m512 f1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(nib1), eight));
+      store_bf16x32(dst + r * 32, lo ? lo + r * 32 : nullptr, _mm512_fmadd_ps(f0, slo, zlo),
+                    _mm512_fmadd_ps(f1, shi, zhi));
+    }
+  }
+}
+
+// The activation rows as AMX A operands: bf16 [mp, kp], zero padded; fp32 x also gives lo.
+__attribute__((target("avx512f,avx512bf16"))) void pack_a(const at::Tensor& x, int64_t m, int64_t k,
+                                                            int64_t kp, uint16_t* hi, uint16_t* lo) {
+  if (x.scalar_type() == at::kBFloat16) {
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    for (int64_t r = 0; r < m; ++r) std::memcpy(hi + r * kp, src + r * k, k * 2);
+    return;
+  }
+  const float* src = x.data_ptr<float>();
+  for (int64_t r = 0; r < m; ++r) {
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) {
+      __m512 v = _mm512_loadu_ps(src + r * k + i);
+      __m256bh h = _mm512_cvtneps_pbh(v);
+      __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i&>(h)), 16));
+      __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, back));  // exact difference, rounded once
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + r * kp + i), reinterpret_cast<__m256i&>(h));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + r * kp + i), reinterpret_cast<__m256i&>(l));
+    }
+    for (; i < k; ++i) {  // the same rounding, one element at a time (K not a multiple of 16)
+      __m512 v = _mm512_set1_ps(src[r * k + i]);
+      __m256bh h = _mm512_cvtneps_pbh(v);
+      __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i&>(h)), 16));
+      __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, back));
+      hi[r * kp + i] = _mm256_extract_epi16(reinterpret_cast<__m256i&>(h), 0);
+      lo[r * kp + i] = _mm256_extract_epi16(reinterpret_cast<__m256i&>(l), 0);
+    }
+  }
+}
+
+__attribute__((target("avx512f,avx512bf16"))) inline void store_row(const float* c, const float* scale,
+                                                                      at::ScalarType dtype, void* out, int cols) {
+  __mmask16 mask = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  __m512 v = _mm512_loadu_ps(c);
+  if (scale) v = _mm512_mul_ps(v, _mm512_loadu_ps(scale));
+  if (dtype == at::kBFloat16) {
+    __m256bh h = _mm512_cvtneps_pbh(v);
+    _mm256_mask_storeu_epi16(out, mask, reinterpret_cast<__m256i&>(h));
+  } else {
+    _mm512_mask_storeu_ps(out, mask, v);
+  }
+}
+
+// One pair of column blocks (32 output columns) for every activation row. Per K step, in this
+// order: C += A_hi B_hi; with a weight remainder C += A_hi B_lo; with an activation remainder
+// C += A_lo B_hi (A_lo B_lo is below fp32 rounding and skipped).
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void column_pair(
+    const Weight& w, int64_t pair, const uint16_t* a_hi, const uint16_t* a_lo, bool w_lo, int64_t m, int64_t mp,
+    uint16_t* bbuf, void* out, at::ScalarType dtype) {
+  const int64_t kb = w.kp / 32, nb0 = 2 * pair;
+  const int64_t stride = w.kp * 2;  // bytes per A row
+  const bool direct = w.fmt == kBf16;
+  const int per_step = w_lo ? 4 : 2;  // B tiles per K step in bbuf: hi0, hi1 (, lo0, lo1)
+  auto b_tile = [&](int64_t blk, int64_t ks, bool lo) -> const uint16_t* {
+    if (direct) return static_cast<const uint16_t*>(lo ? w.zero : w.codes) + ((nb0 + blk) * kb + ks) * 512;
+    return bbuf + (ks * per_step + blk + (lo ? 2 : 0)) * 512;
+  };
+  if (!direct) {
+    // Dequantize this pair's whole K once; every A tile below reuses it.
+    for (int64_t ks = 0; ks < kb; ++ks) {
+      uint16_t* t = bbuf + ks * per_step * 512;
+      dequant_tile(w, nb0, ks, t, w_lo ? t + 2 * 512 : nullptr);
+      dequant_tile(w, nb0 + 1, ks, t + 512, w_lo ? t + 3 * 512 : nullptr);
+    }
+  }
+  alignas(64) float c[2][256];
+  const int esize = dtype == at::kBFloat16 ? 2 : 4;
+  for (int64_t m0 = 0; m0 < mp; m0 += 16) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t ks = 0; ks < kb; ++ks) {
+      _tile_loadd(4, a_hi + m0 * w.kp + ks * 32, stride);
+      _tile_loadd(6, b_tile(0, ks, false), 64);
+      _tile_loadd(7, b_tile(1, ks, false), 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if (w_lo) {
+        _tile_loadd(2, b_tile(0, ks, true), 64);
+        _tile_loadd(3, b_tile(1, ks, true), 64);
+        _tile_dpbf16ps(0, 4, 2);
+        _tile_dpbf16ps(1, 4, 3);
+      }
+      if (a_lo) {
+        _tile_loadd(5, a_lo + m0 * w.kp + ks * 32, stride);
+        _tile_dpbf16ps(0, 5, 6);
+        _tile_dpbf16ps(1, 5, 7);
+      }
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    for (int q = 0; q < 2; ++q) {
+      const int64_t col0 = (nb0 + q) * 16;
+      if (col0 >= w.n) continue;
+      const int cols = static_cast<int>(std::min<int64_t>(16, w.n - col0));
+      const float* scale = w.fmt == kInt8 ? static_cast<const float*>(w.scale) + col0 : nullptr;
+      for (int r = 0; r < 16 && m0 + r < m; ++r)
+        store_row(c[q] + r * 16, scale, dtype, static_cast<char*>(out) + ((m0 + r) * w.n + col0) * esize, cols);
+    }
+  }
+}
+
+at::Tensor qgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                 const c10::optional<at::Tensor>& zero, int64_t fmt, int64_t n, int64_t k) {
+  TORCH_CHECK(amx_permitted(), "tessera_qgemm: the kernel did not get AMX tile state from the OS");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.is_contiguous(), "tessera_qgemm: x must be contiguous [M, ", k, "]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "tessera_qgemm: x bf16 or fp32");
+  TORCH_CHECK(codes.dim() >= 2 && codes.is_contiguous(), "tessera_qgemm: codes must be contiguous tiles");
+  const int64_t nbk = codes.size(0), kb = codes.size(1), np = nbk * 16, kp = kb * 32;
+  TORCH_CHECK(nbk % 2 == 0 && np >= n && kp >= k && kp - k < 32, "tessera_qgemm: tiles do not fit [", n, ", ", k, "]");
+  const int64_t m = x.size(0), mp = std::max<int64_t>(16, (m + 15) / 16 * 16);
+  Weight w{fmt, n, np, kp, 0, codes.data_ptr(), scale.data_ptr(), nullptr};
+  if (fmt == kInt8) {
+    TORCH_CHECK(codes.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat && scale.numel() == np,
+                "tessera_qgemm int8: codes int8, scale float32 [Np]");
+  } else if (fmt == kQ8_0) {
+    TORCH_CHECK(codes.scalar_type() == at::kChar && scale.scalar_type() == at::kHalf && scale.numel() == np * kb,
+                "tessera_qgemm q8_0: codes int8, d float16 [Nb, Kb, 16]");
+  } else if (fmt == kInt4) {
+    TORCH_CHECK(zero.has_value() && codes.scalar_type() == at::kByte && scale.scalar_type() == at::kBFloat16 &&
+                    zero->scalar_type() == at::kBFloat16 && scale.dim() == 3 && zero->sizes() == scale.sizes(),
+                "tessera_qgemm int4: codes uint8, scale and zero bf16 [Nb, G, 16]");
+    w.groups = scale.size(1);
+    w.zero = zero->data_ptr();
+    TORCH_CHECK(kb % w.groups == 0, "tessera_qgemm int4: groups must be a whole number of 32-wide K steps");
+  } else {
+    TORCH_CHECK(fmt == kBf16 && codes.scalar_type() == at::kBFloat16, "tessera_qgemm: unknown format ", fmt);
+    if (zero.has_value()) {  // the weight's remainder tiles (float32 activations)
+      TORCH_CHECK(zero->sizes() == codes.sizes() && zero->scalar_type() == at::kBFloat16 && zero->is_contiguous(),
+                  "tessera_qgemm bf16: the remainder tiles must match the codes");
+      w.zero = zero->data_ptr();
+    }
+  }
+  // The A operands: zero padded rows and K, reused across calls (no per-call page faults).
+  thread_local std::vector<uint16_t> abuf;
+  const bool split = x.scalar_type() == at::kFloat;
+  const size_t need = size_t(mp * kp) * (split ? 2 : 1);
+  if (abuf.size() < need) abuf.resize(need);
+  std::fill(abuf.begin(), abuf.begin() + need, 0);
+  uint16_t* a_hi = abuf.data();
+  uint16_t* a_lo = split ? a_hi + mp * kp : nullptr;
+  pack_a(x, m, k, kp, a_hi, a_lo);
+  auto out = at::empty({m, n}, x.options());
+  void* outp = out.data_ptr();
+  const at::ScalarType dtype = x.scalar_type();
+  // float32 activations also take the weight's remainder where W is not exact in bf16.
+  const bool w_lo = split && (fmt == kQ8_0 || fmt == kInt4 || (fmt == kBf16 && w.zero));
+  at::parallel_for(0, nbk / 2, 1, [&](int64_t p0, int64_t p1) {
+    thread_local std::vector<uint16_t> bbuf;
+    if (bbuf.size() < size_t(kb * 4 * 512)) bbuf.resize(kb * 4 * 512);
+    configure_tiles();
+    for (int64_t p = p0; p < p1; ++p) column_pair(w, p, a_hi, a_lo, w_lo, m, mp, bbuf.data(), outp, dtype);
+    _tile_release();
+  });
+  return out;
+}
+
+// ---- W8A8: int8 x int8 on AMX (TDPBSSD), exact int32 sums -----------------------------------
+
+// Tiles 0-1: C int32, 4: A (16 rows x 64 int8), 6-7: B (16 k-quads x 16 cols x 4).
+__attribute__((target("amx-tile,amx-int8,avx512f"))) at::Tensor w8a8_impl(const at::Tensor& qx,
+                                                                          const at::Tensor& codes, int64_t n) {
+  const int64_t nbk = codes.size(0), kb = codes.size(1), kp = kb * 64, m = qx.size(0);
+  const int64_t mp = std::max<int64_t>(16, (m + 15) / 16 * 16), k = qx.size(1);
+  thread_local std::vector<int8_t> abuf;
+  if (abuf.size() < size_t(mp * kp)) abuf.resize(mp * kp);
+  std::fill(abuf.begin(), abuf.begin() + mp * kp, 0);
+  const int8_t* xs = qx.data_ptr<int8_t>();
+  for (int64_t r = 0; r < m; ++r) std::memcpy(abuf.data() + r * kp, xs + r * k, k);
+  const int8_t* a = abuf.data();
+  const int8_t* b = codes.data_ptr<int8_t>();
+  auto out = at::empty({m, n}, qx.options().dtype(at::kInt));
+  int32_t* y = out.data_ptr<int32_t>();
+  at::parallel_for(0, nbk / 2, 1, [&](int64_t p0, int64_t p1) {
+    configure_tiles();
+    alignas(64) int32_t c[2][256];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int8_t* b0 = b + (2 * p) * kb * 1024;
+      const int8_t* b1 = b0 + kb * 1024;
+      for (int64_t m0 = 0; m0 < mp; m0 += 16) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t ks = 0; ks < kb; ++ks) {
+          _tile_loadd(4, a + m0 * kp + ks * 64, kp);
+          _tile_loadd(6, b0 + ks * 1024, 64);
+          _tile_loadd(7, b1 + ks * 1024, 64);
+          _tile_dpbssd(0, 4, 6);
+          _tile_dpbssd(1, 4, 7);
+        }
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        for (int q = 0; q < 2; ++q) {
+          const int64_t col0 = (2 * p + q) * 16;
+          if (col0 >= n) continue;
+          const int64_t cols = std::min<int64_t>(16, n - col0);
+          for (int r = 0; r < 16 && m0 + r < m; ++r) std::memcpy(y + (m0 + r) * n + col0, c[q] + r * 16, cols * 4);
+        }
+      }
+    }
+    _tile_release();
+  });
+  return out;
+}
+
+at::Tensor w8a8(const at::Tensor& qx, const at::Tensor& codes, int64_t n) {
+  TORCH_CHECK(amx_permitted(), "tessera_qgemm: the kernel did not get AMX tile state from the OS");
+  TORCH_CHECK(qx.dim() == 2 && qx.scalar_type() == at::kChar && qx.is_contiguous(), "tessera_qgemm.w8a8: qx int8 [M, K]");
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.size(0) % 2 == 0 &&
+                  codes.size(0) * 16 >= n && codes.size(1) * 64 >= qx.size(1) && codes.size(1) * 64 - qx.size(1) < 64,
+              "tessera_qgemm.w8a8: codes must be int8 tiles [Nb, K / 64, 16, 16, 4]");
+  return w8a8_impl(qx, codes, n);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tessera_qgemm, lib) {
+  lib.def("qgemm(Tensor x, Tensor codes, Tensor scale, Tensor? zero, int fmt, int n, int k) -> Tensor");
+  lib.def("w8a8(Tensor qx, Tensor codes, int n) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tessera_qgemm, CPU, lib) {
+  lib.impl("qgemm", &qgemm);
+  lib.impl("w8a8", &w8a8);
+}
