@@ -35,7 +35,7 @@ _GROWTH = 8
 class KeptPrefix:
     """Per row: the fetched tokens in exact (value desc, id asc) order and how many are kept."""
 
-    token_ids: torch.Tensor  # [R, W] long
+    token_ids: torch.Tensor | None  # [R, W] long; None = the whole vocabulary in id order
     weights: torch.Tensor  # [R, W] float64, proportional to the probabilities; 0 past num_kept
     num_kept: torch.Tensor  # [R] long, >= 1
 
@@ -63,11 +63,19 @@ def kept_prefix(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
 
 
 def _first_width(top_k: torch.Tensor, top_p: torch.Tensor, vocab: int) -> int:
-    limited = top_k < vocab
-    width = int(top_k[limited].max()) + _TOP_K_MARGIN if bool(limited.any()) else 0
-    if bool((~limited & (top_p < 1.0)).any()):
-        width = max(width, _TOP_P_FIRST_FETCH)
-    return min(vocab, max(width, 1))
+    width = 0
+    for k, p in zip(top_k.tolist(), top_p.tolist(), strict=True):
+        width = max(width, k + _TOP_K_MARGIN if k < vocab else _TOP_P_FIRST_FETCH if p < 1.0 else 1)
+    return min(vocab, width)
+
+
+def _value_desc_id_asc(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The permutation of each row that sorts (value descending, id ascending), as one int64 sort:
+    the float32 bits made order-preserving (negatives' magnitude bits flipped), negated, above
+    the id. -0.0 is made +0.0 first (equal values must tie)."""
+    bits = (values + 0.0).view(torch.int32).long()
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return ((-ordered) * (1 << 32) + ids).argsort(dim=-1)
 
 
 def _kept_within(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -77,11 +85,9 @@ def _kept_within(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     rows, vocab = logits.shape
     values, ids, bound = head_topk(logits, width)
     width = values.shape[1]
-    # Exact order inside the fetch: by id ascending, then stably by scaled value descending.
-    ids, by_id = ids.sort(dim=-1)
-    scaled = values.gather(1, by_id) / temperature[:, None]
-    scaled, by_value = scaled.sort(dim=-1, descending=True, stable=True)
-    ids = ids.gather(1, by_value)
+    scaled = values / temperature[:, None]
+    order = _value_desc_id_asc(scaled, ids)
+    scaled, ids = scaled.gather(1, order), ids.gather(1, order)
     positions = torch.arange(width, device=logits.device)
     if bound is not None:
         # Tokens left out of the fetch are <= bound; those strictly above it are the true head.
@@ -181,19 +187,59 @@ def _merge(prefix: KeptPrefix, again: KeptPrefix, rows: torch.Tensor) -> KeptPre
 def draw_from_prefix(prefix: KeptPrefix, uniforms: torch.Tensor) -> torch.Tensor:
     """One token per row, token j of the kept prefix with probability weights[j] / sum: the
     inverse CDF of `uniforms` [R] (float64 in [0, 1)) over the float64 cumulative weights."""
-    cdf = prefix.weights.double().cumsum(-1)  # no copy when the weights are float64 already
-    total = cdf[:, -1:]
-    target = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    # The first position whose cdf exceeds the target: always one with weight > 0, below num_kept.
-    position = torch.searchsorted(cdf, target, right=True).clamp_max_(cdf.shape[1] - 1)
+    weights = prefix.weights
+    if weights.shape[1] > 4 * _CDF_CHUNK:
+        position = _chunked_inverse_cdf(weights, uniforms)
+    else:
+        position = _inverse_cdf(weights.double().cumsum(-1), uniforms[:, None])
+    if prefix.token_ids is None:
+        return position.squeeze(1)
     return prefix.token_ids.gather(1, position).squeeze(1)
+
+
+def _inverse_cdf(cdf: torch.Tensor, target_fraction: torch.Tensor) -> torch.Tensor:
+    """[R, 1] positions: the first whose cdf exceeds target_fraction * total, always one with
+    weight > 0 (the target is kept below the total)."""
+    total = cdf[:, -1:]
+    target = torch.minimum(target_fraction * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).clamp_max_(cdf.shape[1] - 1)
+
+
+# The whole-vocabulary draw sums weights in chunks of this many: a float64 cumsum over the chunk
+# sums, then over one chunk, instead of a sequential float64 cumsum of the whole row.
+_CDF_CHUNK = 256
+
+
+def _chunked_inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """_inverse_cdf over a wide row in two levels (the chunk, then the entry inside it): the same
+    distribution, in O(V) vectorized work plus O(V / chunk) sequential."""
+    rows, width = weights.shape
+    num_chunks = -(-width // _CDF_CHUNK)
+    if num_chunks * _CDF_CHUNK != width:
+        weights = torch.nn.functional.pad(weights, (0, num_chunks * _CDF_CHUNK - width))
+    chunks = weights.view(rows, num_chunks, _CDF_CHUNK)
+    sums = chunks.sum(-1).double()  # float32 over 256 entries, then float64 across chunks
+    cdf = sums.cumsum(-1)
+    chunk = _inverse_cdf(cdf, uniforms[:, None])  # a chunk with mass > 0
+    total = cdf[:, -1:]
+    before = cdf.gather(1, chunk) - sums.gather(1, chunk)
+    starts = torch.arange(rows, device=weights.device)[:, None] * (num_chunks * _CDF_CHUNK) + chunk * _CDF_CHUNK
+    inside = weights.reshape(-1)[starts + torch.arange(_CDF_CHUNK, device=weights.device)].double().cumsum(-1)
+    # What is left of the target inside the chunk, as a fraction of the chunk's own cumsum (whose
+    # rounding differs from the chunk sum's: _inverse_cdf keeps the target below its total).
+    left = (uniforms[:, None] * total - before).clamp_min_(0.0) / inside[:, -1:]
+    position = _inverse_cdf(inside, left.clamp_max_(1.0))
+    return (chunk * _CDF_CHUNK + position).clamp_max_(width - 1)
 
 
 def race_over_prefix(prefix: KeptPrefix, noise: torch.Tensor) -> torch.Tensor:
     """The exponential race of the sampler's seeded rows, over the kept tokens only:
     argmax(weight / noise[token]) where noise [R, V] is the row's full-vocabulary draw (the
     tokens outside the prefix have probability 0, so they could never win the full race)."""
-    ratio = prefix.weights / noise.gather(1, prefix.token_ids).clamp_min(torch.finfo(noise.dtype).tiny)
+    tiny = torch.finfo(noise.dtype).tiny
+    if prefix.token_ids is None:
+        return (prefix.weights / noise.clamp_min(tiny)).argmax(-1)
+    ratio = prefix.weights / noise.gather(1, prefix.token_ids).clamp_min(tiny)
     return prefix.token_ids.gather(1, ratio.argmax(-1, keepdim=True)).squeeze(1)
 
 

@@ -245,8 +245,7 @@ class Sampler:
         if any(m > 0.0 for m in min_p):
             floor = torch.tensor(min_p, device=device)[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
-        everything = torch.arange(vocab, device=device).expand(num_rows, vocab)
-        prefix = KeptPrefix(everything, probs, torch.full((num_rows,), vocab, device=device))
+        prefix = KeptPrefix(None, probs, torch.full((num_rows,), vocab, device=device))
         return self._draw(prefix, generators, vocab, device)
 
     def _draw(self, prefix: KeptPrefix, generators: Sequence[torch.Generator | None], vocab: int,
@@ -272,7 +271,8 @@ class Sampler:
 
 
 def _rows_of(prefix: KeptPrefix, rows: torch.Tensor) -> KeptPrefix:
-    return KeptPrefix(prefix.token_ids[rows], prefix.weights[rows], prefix.num_kept[rows])
+    ids = prefix.token_ids[rows] if prefix.token_ids is not None else None
+    return KeptPrefix(ids, prefix.weights[rows], prefix.num_kept[rows])
 
 
 def _mask_stop_tokens_before_min_tokens(

@@ -117,3 +117,22 @@ def test_inverse_cdf_draw_follows_the_weights():
     ends = draw_from_prefix(KeptPrefix(ids[:2], weights[:2], torch.tensor([4, 4])),
                             torch.tensor([0.0, 1.0 - 2**-53], dtype=torch.float64))
     assert ends.tolist() == [7, 1]
+
+
+def test_whole_vocabulary_draw_follows_the_weights():
+    # A wide row takes the two-level (chunked) inverse CDF: mass spread over several chunks,
+    # zeros between and at the very end, and a row length that is not a multiple of the chunk.
+    draws, vocab = 20_000, 3001
+    support = {5: 0.3, 255: 0.1, 256: 0.2, 1700: 0.25, 2999: 0.15}
+    weights = torch.zeros(vocab, dtype=torch.float32)
+    for t, w in support.items():
+        weights[t] = w
+    prefix = KeptPrefix(None, weights.expand(draws, -1), torch.full((draws,), vocab))
+    uniforms = torch.rand(draws, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    counts = torch.bincount(draw_from_prefix(prefix, uniforms), minlength=vocab)
+    assert int(counts.sum()) == sum(int(counts[t]) for t in support) == draws  # zeros never drawn
+    observed = [int(counts[t]) for t in support]
+    assert chi_square_p_value(observed, [draws * w for w in support.values()]) > 0.001
+    ends = draw_from_prefix(KeptPrefix(None, weights.expand(2, -1), torch.tensor([vocab, vocab])),
+                            torch.tensor([0.0, 1.0 - 2**-53], dtype=torch.float64))
+    assert ends.tolist() == [5, 2999]
