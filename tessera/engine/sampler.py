@@ -30,7 +30,14 @@ from dataclasses import dataclass
 
 import torch
 
-from tessera.engine.candidates import TOP_P_TOLERANCE, KeptPrefix, draw_from_prefix, first_argmax, kept_prefix, race_over_prefix
+from tessera.engine.candidates import (
+    TOP_P_TOLERANCE,
+    KeptPrefix,
+    draw_from_prefix,
+    first_argmax,
+    kept_prefix,
+    race_over_prefix,
+)
 from tessera.outputs import Logprob, TokenLogprobs
 from tessera.sampling import SamplingParams
 from tessera.structured.bitmask import TokenMask, apply_bitmask
