@@ -10,11 +10,17 @@ distribution (vLLM's default "raw" logprobs, plus the penalties the request aske
 do not change when a client changes temperature. Ranks are 1 + the number of tokens with a
 strictly higher logprob, so tied tokens share the better rank.
 
-Randomness: a draw is an exponential race, argmax(probs / E) with E ~ Exponential(1) drawn per
-token, which picks token i with probability probs[i]. A row with its own torch.Generator (a
-seeded request) draws exactly `vocab` numbers from it per random step, in token-id order, and
-nothing else touches that generator, so its tokens do not depend on the other rows in the batch
-or on which code path the batch took. Greedy rows draw nothing.
+Top-k and top-p never sort the whole vocabulary: tessera.engine.candidates finds each row's
+kept tokens from a torch.topk fetch of its head, with exactly the semantics of `filter_logits`
+(the full-sort reference, which the speculative verifier still uses).
+
+Randomness: a seeded request (a row with its own torch.Generator) draws by an exponential
+race, argmax(probs / E) with E ~ Exponential(1) drawn per token: exactly `vocab` numbers from its
+generator per random step, in token-id order, and nothing else touches that generator, so its
+tokens do not depend on the other rows in the batch or on which code path the batch took (the
+speculative verifier draws the same way, so speculation does not change them). Unseeded rows
+take one float64 uniform each from the shared generator and invert the CDF of their kept
+tokens, which costs nothing per vocabulary entry. Greedy rows draw nothing.
 """
 
 from __future__ import annotations
@@ -24,13 +30,17 @@ from dataclasses import dataclass
 
 import torch
 
+from tessera.engine.candidates import (
+    TOP_P_TOLERANCE,
+    KeptPrefix,
+    draw_from_prefix,
+    first_argmax,
+    kept_prefix,
+    race_over_prefix,
+)
 from tessera.outputs import Logprob, TokenLogprobs
 from tessera.sampling import SamplingParams
 from tessera.structured.bitmask import TokenMask, apply_bitmask
-
-# top-p compares float32 cumulative sums with p; a prefix whose mass is within this of p counts
-# as reaching p, so rounding in the sum cannot pull one extra token into the nucleus.
-_TOP_P_TOLERANCE = 1e-6
 
 
 @dataclass
@@ -85,7 +95,7 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     keep = torch.arange(vocab, device=logits.device)[None, :] < top_k[:, None]
     probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    in_nucleus = (mass_before < top_p[:, None] - _TOP_P_TOLERANCE) | (top_p[:, None] >= 1.0)
+    in_nucleus = (mass_before < top_p[:, None] - TOP_P_TOLERANCE) | (top_p[:, None] >= 1.0)
     in_nucleus[:, 0] = True  # the most likely token always survives, however small p is
     keep &= in_nucleus
     probs = probs.masked_fill(~keep, 0.0)
@@ -182,7 +192,7 @@ class Sampler:
 
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if not random_rows:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = first_argmax(logits)
         elif len(random_rows) == num_rows:
             token_ids = self._sample_random(logits, params, generators)
         else:
@@ -190,7 +200,7 @@ class Sampler:
             sampled = self._sample_random(
                 logits[rows], [params[i] for i in random_rows], [generators[i] for i in random_rows]
             )
-            token_ids = logits.argmax(dim=-1).index_put((rows,), sampled)
+            token_ids = first_argmax(logits).index_put((rows,), sampled)
 
         logprobs: list[TokenLogprobs | None] = [None] * num_rows
         if wants_logprobs:
@@ -206,21 +216,70 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
     ) -> torch.Tensor:
-        device, vocab = logits.device, logits.shape[-1]
+        device, (num_rows, vocab) = logits.device, logits.shape
         temperature = torch.tensor([p.temperature for p in params], device=device)
-        logits = logits / temperature[:, None]
-        filtered = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0]
-        if filtered:
-            rows = torch.tensor(filtered, device=device)
-            top_k = [params[i].top_k if params[i].top_k > 0 else vocab for i in filtered]
-            new_rows = filter_logits(
-                logits[rows],
-                torch.tensor(top_k, device=device),
-                torch.tensor([params[i].top_p for i in filtered], device=device),
-                torch.tensor([params[i].min_p for i in filtered], device=device),
-            )
-            logits = logits.index_put((rows,), new_rows)
-        return exponential_race(logits.softmax(dim=-1), generators, self.generator)
+        filtered = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+        if len(filtered) == num_rows:
+            return self._sample_filtered(logits, temperature, params, generators)
+        if not filtered:
+            return self._sample_plain(logits, temperature, params, generators)
+        plain = [i for i in range(num_rows) if i not in set(filtered)]
+        token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
+        for group, draw in ((filtered, self._sample_filtered), (plain, self._sample_plain)):
+            rows = torch.tensor(group, device=device)
+            token_ids[rows] = draw(logits[rows], temperature[rows], [params[i] for i in group],
+                                   [generators[i] for i in group])
+        return token_ids
+
+    def _sample_filtered(self, logits: torch.Tensor, temperature: torch.Tensor, params: Sequence[SamplingParams],
+                         generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+        """Rows with top-k or top-p: only the head of each row is sorted (tessera.engine.candidates)."""
+        device, vocab = logits.device, logits.shape[-1]
+        prefix = kept_prefix(
+            logits, temperature,
+            torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device),
+            torch.tensor([p.top_p for p in params], device=device),
+            torch.tensor([p.min_p for p in params], device=device),
+        )
+        return self._draw(prefix, generators, vocab, device)
+
+    def _sample_plain(self, logits: torch.Tensor, temperature: torch.Tensor, params: Sequence[SamplingParams],
+                      generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+        """Rows with neither top-k nor top-p: the whole vocabulary (min-p, if any, masks it)."""
+        device, (num_rows, vocab) = logits.device, logits.shape
+        probs = (logits / temperature[:, None]).softmax(dim=-1)
+        min_p = [p.min_p for p in params]
+        if any(m > 0.0 for m in min_p):
+            floor = torch.tensor(min_p, device=device)[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < floor, 0.0)
+        prefix = KeptPrefix(None, probs, torch.full((num_rows,), vocab, device=device))
+        return self._draw(prefix, generators, vocab, device)
+
+    def _draw(self, prefix: KeptPrefix, generators: Sequence[torch.Generator | None], vocab: int,
+              device: torch.device) -> torch.Tensor:
+        """Seeded rows: the exponential race with `vocab` numbers from their own generator (see the
+        module doc). The rest: the inverse CDF of one uniform each from the shared generator."""
+        seeded = [i for i, gen in enumerate(generators) if gen is not None]
+        if not seeded:
+            return draw_from_prefix(prefix, self._uniforms(len(generators), device))
+        token_ids = torch.empty(len(generators), dtype=torch.long, device=device)
+        rows = torch.tensor(seeded, device=device)
+        noise = torch.stack([_exponential_noise((vocab,), generators[i], device) for i in seeded])
+        token_ids[rows] = race_over_prefix(_rows_of(prefix, rows), noise)
+        if len(seeded) < len(generators):
+            rest = torch.tensor([i for i in range(len(generators)) if generators[i] is None], device=device)
+            token_ids[rest] = draw_from_prefix(_rows_of(prefix, rest), self._uniforms(len(rest), device))
+        return token_ids
+
+    def _uniforms(self, n: int, device: torch.device) -> torch.Tensor:
+        gen = self.generator
+        draw_device = gen.device if gen is not None else device
+        return torch.rand(n, generator=gen, dtype=torch.float64, device=draw_device).to(device)
+
+
+def _rows_of(prefix: KeptPrefix, rows: torch.Tensor) -> KeptPrefix:
+    ids = prefix.token_ids[rows] if prefix.token_ids is not None else None
+    return KeptPrefix(ids, prefix.weights[rows], prefix.num_kept[rows])
 
 
 def _mask_stop_tokens_before_min_tokens(

@@ -34,11 +34,19 @@ from tessera.server.serving import OpenAIServer
 
 def create_app(config: EngineConfig, served_model_name: str | None = None, api_key: str | None = None,
                limits: ServerLimits | None = None, allowed_origins: list[str] | None = None,
-               tool_call_parser: str = "hermes") -> FastAPI:
-    """Load the engine for `config` (seconds) and build the app around it; the app owns the engine."""
+               tool_call_parser: str = "hermes", warmup: bool = True) -> FastAPI:
+    """Load the engine for `config` (seconds) and build the app around it; the app owns the engine.
+    warmup: run tessera.engine.warmup first (the socket is not served, so /health cannot answer
+    before it is done); the metrics never see its requests."""
+    from tessera.engine.engine import LLMEngine
+    from tessera.engine.warmup import warm_up
+
     name = served_model_name or config.model
     metrics = ServerMetrics(name)
-    engine = AsyncLLMEngine.from_config(config, observer=metrics)
+    llm_engine = LLMEngine(config)
+    if warmup:
+        warm_up(llm_engine)
+    engine = AsyncLLMEngine(llm_engine, observer=metrics)
     return build_app(engine, metrics, served_model_name=name, api_key=api_key, model_root=config.model,
                      limits=limits, allowed_origins=allowed_origins, tool_call_parser=tool_call_parser)
 

@@ -44,6 +44,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uvicorn-log-level", default=None,
                         choices=["debug", "info", "warning", "error", "critical", "trace"],
                         help="Level of uvicorn's own log (default: --log-level).")
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false",
+                        help="Skip the warm-up steps (a prefill and decodes at every batch-size bucket) that run "
+                             "before /health answers; the first requests then pay the first-run cost.")
     parser.add_argument("--no-access-log", dest="access_log", action="store_false",
                         help="No uvicorn line per HTTP request (Tessera's per-request line stays).")
     parser.add_argument("--disable-log-requests", action="store_true",
@@ -167,7 +170,7 @@ def run_server(args: argparse.Namespace) -> int:
         else:
             app = create_app(engine_config, served_model_name=args.served_model_name, api_key=api_key,
                              limits=limits, allowed_origins=origins,
-                             tool_call_parser=args.tool_call_parser)
+                             tool_call_parser=args.tool_call_parser, warmup=args.warmup)
         from tessera.advisor.commands import attach_serve_advisor
 
         attach_serve_advisor(app, args)

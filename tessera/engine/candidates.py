@@ -1,0 +1,267 @@
+"""Top-k / top-p / min-p without sorting the vocabulary: the kept tokens of each row, exactly.
+
+The filters keep a prefix of the row's tokens in the order (scaled logit descending, token id
+ascending): top-k its first k, top-p the smallest prefix of that whose (top-k renormalized) mass
+reaches p, min-p the part of it with prob >= min_p * max prob. So only the head of that order
+is ever needed. `kept_prefix` fetches it with `torch.topk` (k plus a margin, or a guess for
+top-p alone), re-sorts the fetched few exactly (by id, then stably by value, so ties go to the
+lower id whatever order topk returned them in), and trusts only the part of it that is provably
+the true head: the tokens whose value is strictly above the smallest fetched one (every token
+left out is at or below it). A row whose answer reaches past that part is fetched again, wider,
+up to the whole vocabulary, so the result is always the one a full stable sort would give.
+
+Every per-row computation is elementwise or a prefix scan along the row (cumsum), and the
+full-row normalizer of a top-p-only row is a softmax (reduced row by row), so a row's kept set
+does not depend on which rows share its batch nor on how wide the batch's fetch was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# top-p compares float32 cumulative sums with p; a prefix whose mass is within this of p counts
+# as reaching p, so rounding in the sum cannot pull one extra token into the nucleus.
+TOP_P_TOLERANCE = 1e-6
+# Extra tokens fetched past top_k, so a tie at the k-th value is usually settled in one fetch.
+_TOP_K_MARGIN = 16
+# First fetch for a top-p row without top-k; each refetch is this many times wider.
+_TOP_P_FIRST_FETCH = 64
+_GROWTH = 8
+
+
+@dataclass
+class KeptPrefix:
+    """Per row: the fetched tokens in exact (value desc, id asc) order and how many are kept."""
+
+    token_ids: torch.Tensor | None  # [R, W] long; None = the whole vocabulary in id order
+    weights: torch.Tensor  # [R, W] float64, proportional to the probabilities; 0 past num_kept
+    num_kept: torch.Tensor  # [R] long, >= 1
+
+
+def kept_prefix(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                min_p: torch.Tensor) -> KeptPrefix:
+    """The tokens each row of `logits` [R, V] keeps after temperature, top-k, top-p and min-p.
+
+    top_k: int64 [R], V = off; top_p: [R], 1 = off; min_p: [R], 0 = off; temperature > 0.
+    Same semantics as tessera.engine.sampler.filter_logits (the sorting reference).
+    """
+    rows, vocab = logits.shape
+    width = _first_width(top_k, top_p, vocab)
+    result = _kept_within(logits, temperature, top_k, top_p, min_p, width)
+    exact, prefix = result
+    while not bool(exact.all()):
+        width = min(vocab, width * _GROWTH)
+        redo = torch.nonzero(~exact).flatten()
+        exact_redo, again = _kept_within(logits[redo], temperature[redo], top_k[redo], top_p[redo],
+                                         min_p[redo], width)
+        prefix = _merge(prefix, again, redo)
+        exact = exact.clone()
+        exact[redo] = exact_redo
+    return prefix
+
+
+def _first_width(top_k: torch.Tensor, top_p: torch.Tensor, vocab: int) -> int:
+    width = 0
+    for k, p in zip(top_k.tolist(), top_p.tolist(), strict=True):
+        width = max(width, k + _TOP_K_MARGIN if k < vocab else _TOP_P_FIRST_FETCH if p < 1.0 else 1)
+    return min(vocab, width)
+
+
+def _value_desc_id_asc(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The permutation of each row that sorts (value descending, id ascending), as one int64 sort:
+    the float32 bits made order-preserving (negatives' magnitude bits flipped), negated, above
+    the id. -0.0 is made +0.0 first (equal values must tie)."""
+    bits = (values + 0.0).view(torch.int32).long()
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return ((-ordered) * (1 << 32) + ids).argsort(dim=-1)
+
+
+def _kept_within(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 min_p: torch.Tensor, width: int) -> tuple[torch.Tensor, KeptPrefix]:
+    """Kept prefixes from the `width` largest logits of each row; `exact` [R] says for which rows
+    the answer lies inside the provably exact head of the fetch."""
+    rows, vocab = logits.shape
+    values, ids, bound = head_topk(logits, width)
+    width = values.shape[1]
+    scaled = values / temperature[:, None]
+    order = _value_desc_id_asc(scaled, ids)
+    scaled, ids = scaled.gather(1, order), ids.gather(1, order)
+    positions = torch.arange(width, device=logits.device)
+    if bound is not None:
+        # Tokens left out of the fetch are <= bound; those strictly above it are the true head.
+        exact_len = (scaled > (bound / temperature)[:, None]).sum(-1)
+    else:
+        exact_len = torch.full((rows,), vocab, device=logits.device)
+
+    limited = top_k < vocab
+    weights = (scaled - scaled[:, :1]).exp().double()  # exp(s - max): top-k-renormalized probs up to a scale
+    num_k = torch.minimum(top_k, torch.tensor(width, device=logits.device))
+    cumulative = weights.cumsum(-1)  # float64: a long nucleus sums thousands of terms
+    # Mass the nucleus is measured against: the top-k mass, or for top-p alone the full row's.
+    mass = cumulative.gather(1, (num_k - 1).clamp_min(0)[:, None]).squeeze(1)
+    top_p_only = ~limited & (top_p < 1.0)
+    if bool(top_p_only.any()):
+        # The nucleus is measured against the whole row's mass: a float64 softmax of the row (a
+        # nucleus of thousands of tokens is summed; float32 rounding would move its edge).
+        full_probs = (logits[top_p_only] / temperature[top_p_only, None]).double().softmax(-1)
+        rows_p = torch.nonzero(top_p_only).flatten()
+        weights = weights.double().index_put((rows_p,), full_probs.gather(1, ids[rows_p]))
+        cumulative = weights.cumsum(-1)
+        mass = mass.index_put((rows_p,), torch.ones(len(rows_p), device=logits.device, dtype=mass.dtype))
+    mass_before = (cumulative - weights) / mass[:, None]
+    in_nucleus = (mass_before < top_p[:, None] - TOP_P_TOLERANCE) | (top_p[:, None] >= 1.0)
+    in_nucleus[:, 0] = True  # the most likely token always survives, however small p is
+    keep = in_nucleus & (positions[None, :] < num_k[:, None])
+    keep &= weights >= min_p[:, None] * weights[:, :1]
+    num_kept = keep.sum(-1).clamp_min(1)  # keep is a prefix: every test is monotone along the row
+    # The answer must lie inside the exact head, one position past it decided there too.
+    nucleus_len = in_nucleus.sum(-1)
+    exact = exact_len >= vocab
+    exact |= limited & (top_k <= exact_len)
+    closes = (top_p < 1.0) & (nucleus_len < exact_len)  # the nucleus ended inside the head
+    exact |= ~limited & ((top_p >= 1.0) | closes)
+    weights = weights.masked_fill(positions[None, :] >= num_kept[:, None], 0.0)
+    return exact, KeptPrefix(ids, weights, num_kept)
+
+
+# head_topk's chunk count per row is vocab / _TOPK_CHUNK.
+_TOPK_CHUNK = 64
+
+
+def head_topk(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """At least `width` entries of each row of x [R, V]: (values, ids, bound), padded with -inf
+    values (ids 0), such that every entry left out is <= bound[row] and every entry above
+    bound[row] is taken. bound is None when the whole row is taken.
+
+    torch.topk is a scalar partial sort on CPU (about 5-10 ms for 32 x 49152 at k = 66). Here
+    the row is cut into strided chunks (entry i in chunk i % num_chunks), whose maxima one
+    vectorized amax finds; the bound is the width-th largest chunk maximum, so at least `width`
+    entries (those maxima) reach it, and an entry above it must sit in one of the chosen chunks
+    (any other chunk's maximum is <= the bound). The chosen chunks' entries >= bound are taken.
+    """
+    rows, vocab = x.shape
+    if width >= vocab:
+        return x, torch.arange(vocab, device=x.device).expand(rows, vocab), None
+    if width * _TOPK_CHUNK * 4 > vocab:
+        values, ids = x.topk(width, dim=-1, sorted=False)
+        return values, ids, values.amin(-1)
+    num_chunks = -(-vocab // _TOPK_CHUNK)
+    if num_chunks * _TOPK_CHUNK != vocab:
+        x = torch.nn.functional.pad(x, (0, num_chunks * _TOPK_CHUNK - vocab), value=float("-inf"))
+    chunks = x.view(rows, _TOPK_CHUNK, num_chunks)  # chunks[r, :, c] is chunk c
+    chunk_max, chosen = chunks.amax(1).topk(width, dim=-1, sorted=False)
+    bound = chunk_max.amin(-1)
+    picked = chunks.gather(2, chosen[:, None, :].expand(rows, _TOPK_CHUNK, width)).reshape(rows, -1)
+    take = picked >= bound[:, None]
+    counts = take.sum(-1)
+    # Pack each row's taken entries to the left of a [R, max count] buffer.
+    row, col = take.nonzero(as_tuple=True)
+    starts = counts.cumsum(0) - counts
+    slot = torch.arange(row.numel(), device=x.device) - starts[row]
+    width_out = int(counts.max())
+    values = torch.full((rows, width_out), float("-inf"), device=x.device, dtype=x.dtype)
+    ids = torch.zeros((rows, width_out), dtype=torch.long, device=x.device)
+    values[row, slot] = picked[row, col]
+    position = col // width  # picked[r] is [_TOPK_CHUNK, width] flattened: (offset in chunk, chosen index)
+    ids[row, slot] = (position * num_chunks + chosen[row, col % width]).clamp_max_(vocab - 1)
+    return values, ids, bound
+
+
+def _merge(prefix: KeptPrefix, again: KeptPrefix, rows: torch.Tensor) -> KeptPrefix:
+    """prefix with `rows` replaced by the wider `again` (narrower rows padded with weight 0)."""
+    width = max(prefix.token_ids.shape[1], again.token_ids.shape[1])
+
+    def pad(t: torch.Tensor, value) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+    ids, weights = pad(prefix.token_ids, 0), pad(prefix.weights, 0.0)
+    ids[rows] = pad(again.token_ids, 0)
+    weights[rows] = pad(again.weights, 0.0)
+    num_kept = prefix.num_kept.clone()
+    num_kept[rows] = again.num_kept
+    return KeptPrefix(ids, weights, num_kept)
+
+
+def draw_from_prefix(prefix: KeptPrefix, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row, token j of the kept prefix with probability weights[j] / sum: the
+    inverse CDF of `uniforms` [R] (float64 in [0, 1)) over the float64 cumulative weights."""
+    weights = prefix.weights
+    if weights.shape[1] > 4 * _CDF_CHUNK:
+        position = _chunked_inverse_cdf(weights, uniforms)
+    else:
+        position = _inverse_cdf(weights.double().cumsum(-1), uniforms[:, None])
+    if prefix.token_ids is None:
+        return position.squeeze(1)
+    return prefix.token_ids.gather(1, position).squeeze(1)
+
+
+def _inverse_cdf(cdf: torch.Tensor, target_fraction: torch.Tensor) -> torch.Tensor:
+    """[R, 1] positions: the first whose cdf exceeds target_fraction * total, always one with
+    weight > 0 (the target is kept below the total)."""
+    total = cdf[:, -1:]
+    target = torch.minimum(target_fraction * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).clamp_max_(cdf.shape[1] - 1)
+
+
+# The whole-vocabulary draw sums weights in chunks of this many: a float64 cumsum over the chunk
+# sums, then over one chunk, instead of a sequential float64 cumsum of the whole row.
+_CDF_CHUNK = 256
+
+
+def _chunked_inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """_inverse_cdf over a wide row in two levels (the chunk, then the entry inside it): the same
+    distribution, in O(V) vectorized work plus O(V / chunk) sequential."""
+    rows, width = weights.shape
+    num_chunks = -(-width // _CDF_CHUNK)
+    if num_chunks * _CDF_CHUNK != width:
+        weights = torch.nn.functional.pad(weights, (0, num_chunks * _CDF_CHUNK - width))
+    chunks = weights.view(rows, num_chunks, _CDF_CHUNK)
+    sums = chunks.sum(-1).double()  # float32 over 256 entries, then float64 across chunks
+    cdf = sums.cumsum(-1)
+    chunk = _inverse_cdf(cdf, uniforms[:, None])  # a chunk with mass > 0
+    total = cdf[:, -1:]
+    before = cdf.gather(1, chunk) - sums.gather(1, chunk)
+    starts = torch.arange(rows, device=weights.device)[:, None] * (num_chunks * _CDF_CHUNK) + chunk * _CDF_CHUNK
+    inside = weights.reshape(-1)[starts + torch.arange(_CDF_CHUNK, device=weights.device)].double().cumsum(-1)
+    # What is left of the target inside the chunk, as a fraction of the chunk's own cumsum (whose
+    # rounding differs from the chunk sum's: _inverse_cdf keeps the target below its total).
+    left = (uniforms[:, None] * total - before).clamp_min_(0.0) / inside[:, -1:]
+    position = _inverse_cdf(inside, left.clamp_max_(1.0))
+    return (chunk * _CDF_CHUNK + position).clamp_max_(width - 1)
+
+
+def race_over_prefix(prefix: KeptPrefix, noise: torch.Tensor) -> torch.Tensor:
+    """The exponential race of the sampler's seeded rows, over the kept tokens only:
+    argmax(weight / noise[token]) where noise [R, V] is the row's full-vocabulary draw (the
+    tokens outside the prefix have probability 0, so they could never win the full race)."""
+    tiny = torch.finfo(noise.dtype).tiny
+    if prefix.token_ids is None:
+        return (prefix.weights / noise.clamp_min(tiny)).argmax(-1)
+    ratio = prefix.weights / noise.gather(1, prefix.token_ids).clamp_min(tiny)
+    return prefix.token_ids.gather(1, ratio.argmax(-1, keepdim=True)).squeeze(1)
+
+
+# Chunk width of first_argmax: a row's maximum is found with vectorized amax over chunks, then
+# torch.argmax (a scalar loop on CPU, several times slower than amax) runs on one chunk only.
+_ARGMAX_CHUNK = 256
+
+
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) for a 2-D float tensor (the first index of each row's maximum),
+    with one vectorized pass over the row instead of argmax's scalar one."""
+    rows, width = x.shape
+    if width <= 2 * _ARGMAX_CHUNK:
+        return x.argmax(dim=-1)
+    num_full = width // _ARGMAX_CHUNK
+    chunk_max = x[:, : num_full * _ARGMAX_CHUNK].reshape(rows, num_full, _ARGMAX_CHUNK).amax(-1)
+    if num_full * _ARGMAX_CHUNK < width:
+        chunk_max = torch.cat([chunk_max, x[:, num_full * _ARGMAX_CHUNK:].amax(-1, keepdim=True)], dim=1)
+    # The first chunk that holds the row's maximum, then the first maximum inside it.
+    first_chunk = chunk_max.argmax(dim=-1)
+    start = first_chunk * _ARGMAX_CHUNK
+    # Positions past the row's end (a short last chunk) repeat the last entry, which comes after
+    # every real position of the chunk, so argmax's first occurrence is never one of them.
+    cols = (start[:, None] + torch.arange(_ARGMAX_CHUNK, device=x.device)).clamp_max_(width - 1)
+    return cols.gather(1, x.gather(1, cols).argmax(dim=-1, keepdim=True)).squeeze(1)

@@ -1,0 +1,138 @@
+"""The sort-free filters (tessera.engine.candidates) against references: the kept set equals the
+float64 full-sort reference on random, tied and bf16-rounded rows; head_topk keeps topk's
+contract; first_argmax equals torch.argmax (first maximum); the inverse-CDF draw over a kept
+prefix matches its weights (chi-square); a row's kept set does not depend on its batch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tessera.engine.candidates import KeptPrefix, draw_from_prefix, first_argmax, head_topk, kept_prefix
+from tests.unit.test_sampler import chi_square_p_value, reference_keep
+
+
+def reference_kept(row: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> list[int]:
+    """reference_keep (float64 Python, ties to the lower id) on the row's tempered softmax."""
+    scaled = [x / temperature for x in row.double().tolist()]
+    top = max(scaled)
+    exps = [math.exp(x - top) for x in scaled]
+    total = sum(exps)
+    return reference_keep([e / total for e in exps], top_k, top_p, min_p)
+
+
+def random_rows(seed: int, rows: int, vocab: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=gen) * (0.5 + 4 * seed % 5)
+    if seed % 3 == 1:
+        x = x.bfloat16().float()  # bf16 logits: many ties in the head
+    if seed % 3 == 2:
+        x = (x * 2).round() / 2  # heavy ties everywhere
+    return x
+
+
+@pytest.mark.parametrize("vocab", [40, 300, 8191, 49152])
+@pytest.mark.parametrize("seed", range(4))
+def test_kept_set_matches_the_full_sort_reference(vocab, seed):
+    rows = 5
+    x = random_rows(seed * 7 + vocab, rows, vocab)
+    gen = torch.Generator().manual_seed(seed)
+    temperature = torch.rand(rows, generator=gen) + 0.2
+    top_k = torch.tensor([1, 7, 50, vocab, vocab])  # the last two rows: top-p alone
+    top_p = torch.tensor([1.0, 0.9, 0.5, 0.3, 0.97])
+    min_p = torch.tensor([0.0, 0.05, 0.0, 0.0, 0.01])
+    prefix = kept_prefix(x, temperature, top_k, top_p, min_p)
+    for r in range(rows):
+        k = int(top_k[r]) if int(top_k[r]) < vocab else -1
+        want = reference_kept(x[r], float(temperature[r]), k, float(top_p[r]), float(min_p[r]))
+        got = sorted(prefix.token_ids[r, : int(prefix.num_kept[r])].tolist())
+        assert got == want, (r, len(got), len(want))
+        assert bool((prefix.weights[r, int(prefix.num_kept[r]):] == 0).all())
+
+
+def test_top_k_ties_at_the_edge_keep_the_lower_ids():
+    # 300 tokens share the maximum: top-k 5 must keep ids 0..4 of them, whatever topk returns.
+    vocab = 49152
+    x = torch.zeros(1, vocab)
+    tied = torch.randperm(vocab, generator=torch.Generator().manual_seed(1))[:300]
+    x[0, tied] = 5.0
+    prefix = kept_prefix(x, torch.ones(1), torch.tensor([5]), torch.ones(1), torch.zeros(1))
+    assert sorted(prefix.token_ids[0, :5].tolist()) == sorted(tied.tolist())[:5]
+    assert int(prefix.num_kept[0]) == 5
+
+
+def test_kept_set_of_a_row_does_not_depend_on_its_batch():
+    vocab = 49152
+    mine = random_rows(1, 1, vocab)  # bf16-rounded: ties
+    args = (torch.tensor([0.7]), torch.tensor([40]), torch.tensor([0.8]), torch.tensor([0.0]))
+    alone = kept_prefix(mine, *args)
+    others = random_rows(4, 6, vocab)
+    batch = kept_prefix(torch.cat([others, mine]), torch.tensor([1.0] * 6 + [0.7]),
+                        torch.tensor([3, 200, vocab, vocab, 64, 1, 40]), torch.tensor([1.0, 0.5, 0.9, 0.2, 1, 1, 0.8]),
+                        torch.tensor([0.0, 0.1, 0.0, 0.0, 0.0, 0.0, 0.0]))
+    n = int(alone.num_kept[0])
+    assert int(batch.num_kept[-1]) == n
+    assert batch.token_ids[-1, :n].tolist() == alone.token_ids[0, :n].tolist()
+    assert torch.equal(batch.weights[-1, :n], alone.weights[0, :n])
+
+
+@pytest.mark.parametrize("vocab", [100, 4096, 49152, 49153])
+def test_head_topk_takes_everything_above_its_bound(vocab):
+    x = random_rows(vocab, 4, vocab)
+    for width in (1, 17, 66):
+        values, ids, bound = head_topk(x, width)
+        for r in range(4):
+            taken = ids[r][torch.isfinite(values[r])]
+            assert len(set(taken.tolist())) == taken.numel() >= width
+            assert torch.equal(values[r][torch.isfinite(values[r])], x[r, taken])
+            left_out = torch.ones(vocab, dtype=torch.bool)
+            left_out[taken] = False
+            assert bool((x[r, left_out] <= bound[r]).all())
+            assert set(torch.nonzero(x[r] > bound[r]).flatten().tolist()) <= set(taken.tolist())
+
+
+@pytest.mark.parametrize("vocab", [10, 600, 49152, 49153])
+def test_first_argmax_is_torch_argmax(vocab):
+    for seed in range(3):
+        x = random_rows(seed, 8, vocab)
+        x[0] = 1.0  # all tied: the first index
+        x[1, -1] = 1e9  # the maximum in a short last chunk
+        assert torch.equal(first_argmax(x), x.argmax(-1))
+
+
+def test_inverse_cdf_draw_follows_the_weights():
+    draws = 20_000
+    weights = torch.tensor([[0.5, 0.25, 0.15, 0.1, 0.0, 0.0]], dtype=torch.float64).expand(draws, -1)
+    ids = torch.tensor([[7, 3, 9, 1, 4, 5]]).expand(draws, -1)
+    prefix = KeptPrefix(ids, weights, torch.full((draws,), 4))
+    uniforms = torch.rand(draws, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    tokens = draw_from_prefix(prefix, uniforms)
+    counts = torch.bincount(tokens, minlength=10)
+    assert int(counts[4]) == int(counts[5]) == 0  # weight 0 is never drawn
+    observed = [int(counts[t]) for t in (7, 3, 9, 1)]
+    assert chi_square_p_value(observed, [draws * w for w in (0.5, 0.25, 0.15, 0.1)]) > 0.001
+    # The extremes of the uniform land on the first and the last kept token.
+    ends = draw_from_prefix(KeptPrefix(ids[:2], weights[:2], torch.tensor([4, 4])),
+                            torch.tensor([0.0, 1.0 - 2**-53], dtype=torch.float64))
+    assert ends.tolist() == [7, 1]
+
+
+def test_whole_vocabulary_draw_follows_the_weights():
+    # A wide row takes the two-level (chunked) inverse CDF: mass spread over several chunks,
+    # zeros between and at the very end, and a row length that is not a multiple of the chunk.
+    draws, vocab = 20_000, 3001
+    support = {5: 0.3, 255: 0.1, 256: 0.2, 1700: 0.25, 2999: 0.15}
+    weights = torch.zeros(vocab, dtype=torch.float32)
+    for t, w in support.items():
+        weights[t] = w
+    prefix = KeptPrefix(None, weights.expand(draws, -1), torch.full((draws,), vocab))
+    uniforms = torch.rand(draws, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    counts = torch.bincount(draw_from_prefix(prefix, uniforms), minlength=vocab)
+    assert int(counts.sum()) == sum(int(counts[t]) for t in support) == draws  # zeros never drawn
+    observed = [int(counts[t]) for t in support]
+    assert chi_square_p_value(observed, [draws * w for w in support.values()]) > 0.001
+    ends = draw_from_prefix(KeptPrefix(None, weights.expand(2, -1), torch.tensor([vocab, vocab])),
+                            torch.tensor([0.0, 1.0 - 2**-53], dtype=torch.float64))
+    assert ends.tolist() == [5, 2999]
