@@ -325,7 +325,8 @@ def main() -> int:
               f"{'' if auto['vs_best'] >= 0.85 else '!'} {auto['vs_defaults']:>21.0%}"
               f"{'' if auto['vs_defaults'] >= 1.0 else '!'}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"costs": costs.__dict__, "results": results}, indent=2))
+        Path(args.json).write_text(json.dumps({"costs": costs.__dict__, "results": results}, indent=2,
+                                              default=lambda o: o.item() if hasattr(o, "item") else str(o)))
     if tmp is not None:
         tmp.cleanup()
     return 0 if ok else 1

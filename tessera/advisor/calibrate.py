@@ -142,7 +142,7 @@ def fit_step_costs(samples: list[StepSample], prior: StepCosts) -> StepCosts:
     # Every step counts here, the trimmed ones too: they are what a request's slowest gaps see.
     ratios = [float(r) for r in y / (a @ x)]
     slowdown = max(1.0, percentile(ratios, SLOWDOWN_PERCENTILE))
-    return replace(prior, base_s=x[0], per_decode_s=per_decode, per_prefill_token_s=per_token,
+    return replace(prior, base_s=float(x[0]), per_decode_s=per_decode, per_prefill_token_s=per_token,
                    per_attention_s=per_pair, slowdown=slowdown,
                    source=f"fitted to {int(keep.sum())} of {len(samples)} observed steps "
                           f"(median {statistics.median(s.time_s for s in samples) * 1e3:.1f} ms, "
