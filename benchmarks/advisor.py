@@ -180,7 +180,11 @@ def workload(name: str, info, args) -> list[TraceRequest]:
     """A synthetic shape, or a trace file (a shipped one by its name, or a path)."""
     if name in SHIPPED_TRACES or Path(name).exists():
         trace = load_trace(SHIPPED_TRACES.get(name, name), vocab_size=info.config.vocab_size, seed=args.seed)
-        return trace[: args.trace_requests] if args.trace_requests else trace
+        trace = trace[: args.trace_requests] if args.trace_requests else trace
+        for r in trace:  # shorter answers keep a replay short; the prompts (and their shared blocks) stay
+            if r.output_token_ids is None and r.max_tokens:
+                r.max_tokens = max(1, round(r.max_tokens * args.trace_output_scale))
+        return trace
     n = max(8, round(args.num_requests * SHAPE_REQUESTS.get(name, 1.0)))
     return synthesize(name, n, rate=1.0, seed=args.seed, vocab_size=info.config.vocab_size,
                       length_scale=args.length_scale)
@@ -257,6 +261,8 @@ def main() -> int:
                    help="synthetic shapes and trace files (a path, or mooncake_style / azure_conv_style)")
     p.add_argument("--traces", default="", help="trace workloads after the shapes (same names as --shapes)")
     p.add_argument("--trace-requests", type=int, default=0, help="replay only a trace's first N requests (0: all)")
+    p.add_argument("--trace-output-scale", type=float, default=1.0,
+                   help="multiply the recorded output lengths of length-only traces (Mooncake, Azure)")
     p.add_argument("--grid", choices=("full", "small"), default="full")
     p.add_argument("--quant-modes", default="all", help="quantization modes to time and put in the grid "
                    "(comma list; 'none' for none)")
