@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tessera.advisor.advise import advise  # noqa: E402
 from tessera.advisor.autopilot import Autopilot, AutopilotConfig  # noqa: E402
+from tessera.advisor.calibrate import StepRecorder, fit_step_costs  # noqa: E402
 from tessera.advisor.formats import load_trace  # noqa: E402
 from tessera.advisor.profile import (  # noqa: E402
     load_model_info,
@@ -52,7 +53,7 @@ from tessera.engine_args import parse_memory  # noqa: E402
 
 SHAPES = ("chatbot", "multiturn", "summarization", "code_edit", "mixed", "bursty")
 DEFAULTS = {"enable_prefix_caching": True, "max_num_batched_tokens": 512}
-SHAPE_REQUESTS = {"code_edit": 0.5}  # its long outputs make each request long: fewer keep the run short
+SHAPE_REQUESTS = {"code_edit": 0.5, "bursty": 3.0}  # code_edit: long outputs, fewer keep the run short; bursty: tiny requests in bursts of 8-16, three bursts or so
 TRACES_DIR = Path(__file__).resolve().parent / "traces"
 SHIPPED_TRACES = {"mooncake_style": TRACES_DIR / "mooncake_style.jsonl",
                   "azure_conv_style": TRACES_DIR / "azure_conv_style.csv"}
@@ -121,8 +122,9 @@ def calibrate_rate(trace: list[TraceRequest], costs: StepCosts, load: float) -> 
 
 
 def replay(engine: LLMEngine, trace: list[TraceRequest], slo: tuple[float, float],
-           autopilot: Autopilot | None = None) -> dict:
-    """Submit each request at its arrival time, step until all finish; goodput and latencies."""
+           autopilot: Autopilot | None = None, recorder: StepRecorder | None = None) -> dict:
+    """Submit each request at its arrival time, step until all finish; goodput and latencies.
+    With a recorder, every step's composition and time are kept (recorder.samples)."""
     start = time.monotonic()
     results: dict[str, tuple[float, float | None, float]] = {}
     outputs_by_id: dict[str, list[int]] = {}
@@ -138,7 +140,7 @@ def replay(engine: LLMEngine, trace: list[TraceRequest], slo: tuple[float, float
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, start + trace[i].arrival_time - time.monotonic()))
             continue
-        outputs = engine.step()
+        outputs = recorder.step() if recorder is not None else engine.step()
         now = time.monotonic()
         if autopilot is not None:
             autopilot.on_step(outputs, engine.stats(), now)
@@ -178,27 +180,39 @@ def workload(name: str, info, args) -> list[TraceRequest]:
     """A synthetic shape, or a trace file (a shipped one by its name, or a path)."""
     if name in SHIPPED_TRACES or Path(name).exists():
         trace = load_trace(SHIPPED_TRACES.get(name, name), vocab_size=info.config.vocab_size, seed=args.seed)
-        return trace[: args.trace_requests] if args.trace_requests else trace
+        trace = trace[: args.trace_requests] if args.trace_requests else trace
+        for r in trace:  # shorter answers keep a replay short; the prompts (and their shared blocks) stay
+            if r.output_token_ids is None and r.max_tokens:
+                r.max_tokens = max(1, round(r.max_tokens * args.trace_output_scale))
+        return trace
     n = max(8, round(args.num_requests * SHAPE_REQUESTS.get(name, 1.0)))
     return synthesize(name, n, rate=1.0, seed=args.seed, vocab_size=info.config.vocab_size,
                       length_scale=args.length_scale)
 
 
-def run_shape(shape: str, model: str, info, costs: StepCosts, costs_by_mode: dict, args) -> dict:
+def run_shape(shape: str, model: str, info, probe: StepCosts, costs_by_mode: dict, args) -> dict:
     # A trace's arrivals keep their shape (bursts, sessions) and are stretched like a shape's.
-    trace = calibrate_rate(workload(shape, info, args), costs, args.load)
-    n = len(trace)
-    slo = slos(costs, trace)
+    trace = calibrate_rate(workload(shape, info, args), probe, args.load)
     # What `tessera serve --record-trace` would have written: the model's own outputs, which
-    # the speculation estimate replays (a synthetic answer says nothing about this model).
+    # the speculation estimate replays (a synthetic answer says nothing about this model). The
+    # same run's steps recalibrate the step costs on the workload's own chunks and batches, on
+    # the machine as it is now; rate and objectives are then set again from those costs (the
+    # outputs, greedy, do not depend on timing).
     t0 = time.perf_counter()
-    recorded = replay(make_engine(model, DEFAULTS, args), trace, slo)
+    recorder = StepRecorder(make_engine(model, DEFAULTS, args))
+    recorded = replay(recorder.engine, trace, slos(probe, trace), recorder=recorder)
+    costs = fit_step_costs(recorder.samples, probe) if args.calibrate else probe
     print(f"   [{shape}] recorded the model's outputs in {time.perf_counter() - t0:.1f} s "
-          f"({recorded['makespan_s']:.1f} s of replay)", file=sys.stderr, flush=True)
+          f"({recorded['makespan_s']:.1f} s of replay); step costs {costs.source}: base {costs.base_s * 1e3:.1f} "
+          f"ms, {costs.per_decode_s * 1e3:.2f} ms/decode, {costs.per_prefill_token_s * 1e3:.3f} ms/prefill token, "
+          f"{costs.per_attention_s * 1e9:.2f} ns/pair", file=sys.stderr, flush=True)
     for r, out in zip(trace, recorded["outputs"], strict=True):
         r.output_token_ids = out
+    trace = calibrate_rate(trace, costs, args.load) if costs is not probe else trace
+    n = len(trace)
+    slo = slos(costs, trace)
     profile = profile_trace(trace, info, costs, EngineConfig(model=model, kv_cache_memory=args.kv_cache_memory),
-                            slo[0] * 1e3, slo[1] * 1e3, costs_by_mode=costs_by_mode)
+                            slo[0] * 1e3, slo[1] * 1e3, costs_by_mode={**costs_by_mode, "none": costs})
     advice = advise(profile)
     advised = {k: v for k, v in advice.config.items() if k in {f.name for f in fields(EngineConfig)}}
     quant = None if args.quant_modes == "all" else args.quant_modes.split(",")
@@ -236,7 +250,7 @@ def run_shape(shape: str, model: str, info, costs: StepCosts, costs_by_mode: dic
         r["vs_best"] = r["goodput"] / best if best > 0 else 1.0
         r["vs_defaults"] = r["goodput"] / default if default > 0 else (1.0 if r["goodput"] == 0 else float("inf"))
     duration = trace[-1].arrival_time
-    return {"shape": shape, "requests": n, "duration_s": duration, "slo_ttft_ms": slo[0] * 1e3,
+    return {"shape": shape, "requests": n, "duration_s": duration, "costs": asdict(costs), "slo_ttft_ms": slo[0] * 1e3,
             "slo_itl_ms": slo[1] * 1e3, "advice": [f"{d.stage}: {d.decision}" for d in advice.decisions], "rows": rows}
 
 
@@ -247,6 +261,8 @@ def main() -> int:
                    help="synthetic shapes and trace files (a path, or mooncake_style / azure_conv_style)")
     p.add_argument("--traces", default="", help="trace workloads after the shapes (same names as --shapes)")
     p.add_argument("--trace-requests", type=int, default=0, help="replay only a trace's first N requests (0: all)")
+    p.add_argument("--trace-output-scale", type=float, default=1.0,
+                   help="multiply the recorded output lengths of length-only traces (Mooncake, Azure)")
     p.add_argument("--grid", choices=("full", "small"), default="full")
     p.add_argument("--quant-modes", default="all", help="quantization modes to time and put in the grid "
                    "(comma list; 'none' for none)")
@@ -258,6 +274,8 @@ def main() -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--num-threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                   help="keep the probe's step costs (default: refit them to the steps of the recording run)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
 
@@ -313,7 +331,8 @@ def main() -> int:
               f"{'' if auto['vs_best'] >= 0.85 else '!'} {auto['vs_defaults']:>21.0%}"
               f"{'' if auto['vs_defaults'] >= 1.0 else '!'}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"costs": costs.__dict__, "results": results}, indent=2))
+        Path(args.json).write_text(json.dumps({"costs": costs.__dict__, "results": results}, indent=2,
+                                              default=lambda o: o.item() if hasattr(o, "item") else str(o)))
     if tmp is not None:
         tmp.cleanup()
     return 0 if ok else 1

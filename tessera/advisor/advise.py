@@ -24,7 +24,8 @@ CHUNK_BUDGETS = (64, 128, 256, 512, 1024, 2048)
 BUDGET_TIE = 0.03  # budgets within 3% of the best goodput are ties; the default wins a tie
 # Step costs measured once on a shared machine are off by tens of percent while serving: budgets
 # and speculation are scored by goodput averaged over the measured costs and costs this much
-# higher, so a setting that meets the ITL objective only just loses to one with room to spare.
+# higher (or the observed slowdown of the costs, StepCosts.slowdown, when that is larger), so a
+# setting that meets the ITL objective only just loses to one with room to spare.
 COST_MARGIN = 1.3
 SPECULATION_SPEEDUP_MIN = 1.10
 DISAGGREGATION_GAIN_MIN = 1.15
@@ -115,11 +116,13 @@ def _goodput(profile: Profile, cfg: dict, budget: int | None = None, cache_on: b
 
 def _robust_goodput(profile: Profile, cfg: dict, budget: int | None = None,
                     speculation: Speculation | None = None) -> float:
-    """Simulated goodput averaged over the measured step costs and COST_MARGIN x them."""
+    """Simulated goodput averaged over the measured step costs and a margin x them: COST_MARGIN,
+    or the slowdown observed on this machine when it is larger."""
     costs = _costs(profile, cfg)
-    slower = replace(costs, base_s=costs.base_s * COST_MARGIN, per_decode_s=costs.per_decode_s * COST_MARGIN,
-                     per_prefill_token_s=costs.per_prefill_token_s * COST_MARGIN,
-                     per_attention_s=costs.per_attention_s * COST_MARGIN)
+    margin = max(COST_MARGIN, costs.slowdown)
+    slower = replace(costs, base_s=costs.base_s * margin, per_decode_s=costs.per_decode_s * margin,
+                     per_prefill_token_s=costs.per_prefill_token_s * margin,
+                     per_attention_s=costs.per_attention_s * margin)
     slo = _slo(profile)
     return sum(_sim(profile, cfg, budget, costs=c, speculation=speculation).goodput(*slo) for c in (costs, slower)) / 2
 
@@ -283,7 +286,7 @@ def _heterogeneity(p: Profile, cfg: dict) -> Decision:
         f"(prompt p50/p99 {h.prompt_len.p50:.0f}/{h.prompt_len.p99:.0f}, output p50/p99 "
         f"{h.output_len.p50:.0f}/{h.output_len.p99:.0f}); simulated goodput by budget {{{table}}}",
         f"static waste > {STATIC_WASTE_HIGH:.0%} = heterogeneous; budget: best simulated goodput (mean at the "
-        f"measured step costs and at {COST_MARGIN}x them), ties "
+        f"measured step costs and at {max(COST_MARGIN, p.costs.slowdown):.2f}x them), ties "
         f"within {BUDGET_TIE:.0%} keep {current} (if none meets the objectives: the least late)",
         f"{1 / (1 - h.static_waste):.2f}x the useful tokens per slot of static batching; goodput "
         f"{scores[current]:.2f} -> {scores[budget]:.2f} req/s", settings)
@@ -312,7 +315,7 @@ def _speculation(p: Profile, cfg: dict) -> Decision:
     s = p.speculation
     question = "would speculative decoding shorten decoding at the trace's batch sizes?"
     threshold = (f"modelled speedup >= {SPECULATION_SPEEDUP_MIN}x at the median batch, and simulated goodput with "
-                 f"it within {BUDGET_TIE:.0%} of goodput without, at the measured step costs and {COST_MARGIN}x "
+                 f"it within {BUDGET_TIE:.0%} of goodput without, at the measured step costs and {max(COST_MARGIN, p.costs.slowdown):.2f}x "
                  "them (verify steps must not break the ITL objective)")
     if s is None:
         return Decision("5 latency", question, "speculation off", "the trace holds no outputs to estimate "

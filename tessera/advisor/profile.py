@@ -142,11 +142,24 @@ def _costs_cache_file() -> Path:
     return cache_dir() / "advisor" / "step_costs.json"
 
 
+def _kernels_tag() -> str:
+    """A digest of the C++ kernel sources and whether they are on: new kernels make every step
+    faster or slower, so costs measured with other kernels are stale."""
+    import hashlib
+
+    from tessera import native
+
+    digest = hashlib.sha256(str(native.enabled()).encode())
+    for source in sorted(Path(__file__).resolve().parent.parent.rglob("*.cpp")):
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:10]
+
+
 def _cache_key(info: ModelInfo, num_threads: int | None, quantization: str) -> str:
     st = info.path.stat()
     threads = num_threads or torch.get_num_threads()
-    return (f"v3|{info.path.resolve()}|{st.st_size}|{int(st.st_mtime)}|{info.dtype}|{threads}|{torch.__version__}"
-            f"|{quantization}")
+    return (f"v4|{info.path.resolve()}|{st.st_size}|{int(st.st_mtime)}|{info.dtype}|{threads}|{torch.__version__}"
+            f"|{quantization}|{_kernels_tag()}")
 
 
 def _read_cache() -> dict:

@@ -32,6 +32,11 @@ class StepCosts:
     # of n tokens starting at position s adds n * (s + n / 2).
     per_attention_s: float = 0.0
     weight_bytes: int | None = None  # what the model's weights took in the measured engine
+    # How much slower than modelled a step runs at a bad moment: the p90 of observed / modelled
+    # step time where steps were observed (calibrate.fit_step_costs), 1 where they were not. A
+    # request's p99 gap over a few dozen tokens is its slowest steps, so the ITL it sees is the
+    # modelled step times this much slower.
+    slowdown: float = 1.0
 
     def step_time(self, prefill_tokens: int, num_decodes: int, attention_pairs: float = 0.0) -> float:
         return (self.base_s + self.per_decode_s * num_decodes + self.per_prefill_token_s * prefill_tokens
