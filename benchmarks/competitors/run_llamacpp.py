@@ -9,7 +9,9 @@ directly, with greedy argmax over the logits in numpy, the way llama.cpp's own b
 
 --gguf picks the weights: the packaged Q4_1 file, or an F32/F16 GGUF that convert_gguf.py writes
 from it (same values, dequantized). --kv-type f16 is llama.cpp's default KV cache type; f32 matches
-an engine that keeps its KV cache in float32.
+an engine that keeps its KV cache in float32. --repack turns on llama.cpp's repacked weight layouts
+(AMX / AVX-512 tiles; `use_extra_bufts`, llama.cpp's `--repack`); off by default: with
+llama-cpp-python 0.3.36 on an AMX CPU it crashed in llama_decode (DESIGN.md).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ def main() -> None:
     ap.add_argument("--gguf", required=True)
     ap.add_argument("--kv-type", choices=["f16", "f32"], default="f16")
     ap.add_argument("--n-batch", type=int, default=512)
+    ap.add_argument("--repack", action="store_true", help="llama.cpp's repacked weight layouts (use_extra_bufts)")
     args = ap.parse_args()
     w = load_workload(args.workload)
 
@@ -36,6 +39,7 @@ def main() -> None:
         lc.llama_backend_init()
         mparams = lc.llama_model_default_params()
         mparams.n_gpu_layers = 0
+        mparams.use_extra_bufts = args.repack
         with Timer() as load:
             model = lc.llama_model_load_from_file(args.gguf.encode(), mparams)
         if not model:
@@ -104,7 +108,7 @@ def main() -> None:
         single = single_stream(lambda p, n: generate(sctx, [p], n), w["single_prompts"], out_len, w["single_reps"])
         lc.llama_free(sctx)
         return {"version": f"llama-cpp-python {lc.__version__}", "gguf": args.gguf, "kv_cache_type": args.kv_type,
-                "threads": threads, "n_batch": args.n_batch, "flash_attn_type": fa,
+                "threads": threads, "n_batch": args.n_batch, "flash_attn_type": fa, "repack": args.repack,
                 "load_s": load.seconds, "throughput": tput, "single": single}
 
     run_and_write(args.out, body)

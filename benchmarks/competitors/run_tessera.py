@@ -1,6 +1,6 @@
 """Tessera on the compare.py workload (Tessera's venv): offline throughput through LLM.generate,
-then one request at a time. --quantization none computes in float32 (auto dtype on this CPU) from
-the GGUF dequantized at load; gguf keeps the file's Q4_1 blocks.
+then one request at a time. --quantization none computes in --dtype from the GGUF dequantized at
+load; gguf keeps the file's blocks (Q4_1, Q4_K, ...) and computes its activations in --dtype.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ def main() -> None:
     ap = runner_args(__doc__)
     ap.add_argument("--quantization", default="none")
     ap.add_argument("--quantize-lm-head", action="store_true")
+    ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
     w = load_workload(args.workload)
 
@@ -27,7 +28,7 @@ def main() -> None:
         from tessera import LLM, SamplingParams
 
         with Timer() as load:
-            llm = LLM(w["gguf_q4_1"], dtype="auto", quantization=args.quantization,
+            llm = LLM(w["gguf_q4_1"], dtype=args.dtype, quantization=args.quantization,
                       quantize_lm_head=args.quantize_lm_head,
                       max_num_batched_tokens=512, max_num_seqs=64, num_threads=w["threads"])
         dtype = str(llm.engine.dtype).removeprefix("torch.")

