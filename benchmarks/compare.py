@@ -182,7 +182,7 @@ def print_table(results: dict[str, dict], args) -> None:
             print(f"{name:15s} {'-':>7s} {'-':>9s} {'-':>10s} {'-':>9s} {'-':>11s} {'-':>12s} {'-':>4s}  "
                   f"not run: {r.get('error', '?')[:90]}")
             continue
-        t, s = r.get("throughput"), r["single"]
+        t, s = r.get("throughput"), r.get("single", {})
         if t:
             rel = (f"{base['throughput']['seconds'] / t['seconds']:9.2f}x" if base.get("ok") else f"{'-':>10s}")
             pre = f"{t['prefill_only_s']:9.1f}" if "prefill_only_s" in t else f"{'-':>9s}"
@@ -190,7 +190,8 @@ def print_table(results: dict[str, dict], args) -> None:
         else:
             a = f"{'-':>7s} {'-':>9s} {'-':>10s} {'-':>9s}"
         same = t.get("leading_tokens_equal_to_tessera", "-") if t else "-"
-        print(f"{name:15s} {a} {1000 * s['ttft_s']:11.0f} {s['decode_tok_s']:12.1f} {same:>4}  {r['weights']}")
+        b = f"{1000 * s['ttft_s']:11.0f} {s['decode_tok_s']:12.1f}" if s else f"{'-':>11s} {'-':>12s}"
+        print(f"{name:15s} {a} {b} {same:>4}  {r['weights']}")
     print("(vs tessera: tessera's offline time over the engine's; > 1 means faster than Tessera. "
           "prefill s: (a') the same number of fresh prompts, 1 token each; "
           "same: leading greedy tokens of request 0 equal to tessera's)")
@@ -202,11 +203,12 @@ def print_table(results: dict[str, dict], args) -> None:
         f = r.get("floors")
         if not f:
             continue
-        t, s, m = r.get("throughput"), r["single"], r["machine"]
+        t, s, m = r.get("throughput"), r.get("single"), r["machine"]
         step = (t["seconds"] - t["prefill_only_s"]) / (args.output_len - 1) if t and "prefill_only_s" in t else None
-        gemm = f["prefill_flops"] / s["ttft_s"] / m["gemm_flops"]
-        print(f"{name:15s} {_x(1 / s['decode_tok_s'], f['decode_b1_s'])} {_x(step, f['decode_b_s'])} "
-              f"{_x(s['ttft_s'], f['prefill_s'])} {gemm:6.0%} {_x(t['seconds'] if t else None, f['offline_s']):>24s}  "
+        gemm = f"{f['prefill_flops'] / s['ttft_s'] / m['gemm_flops']:6.0%}" if s else f"{'-':>6s}"
+        print(f"{name:15s} {_x(1 / s['decode_tok_s'] if s else None, f['decode_b1_s'])} {_x(step, f['decode_b_s'])} "
+              f"{_x(s['ttft_s'] if s else None, f['prefill_s'])} {gemm} "
+              f"{_x(t['seconds'] if t else None, f['offline_s']):>24s}  "
               f"{m['gemm_dtype']} GEMM {m['gemm_flops'] / 1e12:.2f} TFLOP/s, {m['bandwidth'] / 1e9:.1f} GB/s")
     print(f"(decode b1: 1 / single-stream tok/s against weight + KV bytes / bandwidth; decode b{args.num_requests} step: "
           f"((a) - (a')) / {args.output_len - 1} against max(bytes / bandwidth, FLOPs / GEMM rate); TTFT against the "
@@ -227,6 +229,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--single-reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--parts", default="throughput,single",
+                    help="which of (a) throughput and (b) single to run now; the other keeps its earlier figures")
     ap.add_argument("--float-gguf", default=None, help="the float GGUF for llamacpp-float "
                     "(default: $TESSERA_COMPETITORS/models/<model>-<bf16|f32>.gguf, written on first use)")
     ap.add_argument("--hf-folder", default=None, help="the transformers folder vLLM loads "
@@ -270,9 +274,10 @@ def main() -> None:
         "single_prompts": make_prompts(2 * args.single_reps + 1, args.input_len, vocab, seed=1),
         # (a)'s prefill alone, timed on fresh prompts so that no prefix cache serves them
         "prefill_prompts": make_prompts(args.num_requests, args.input_len, vocab, seed=2),
+        "parts": [p.strip() for p in args.parts.split(",") if p.strip()],
     }
     previous = json.loads(out_path.read_text()) if out_path.is_file() else {}
-    same_work = previous.get("workload") == {k: v for k, v in workload.items() if not k.endswith("prompts")}
+    same_work = previous.get("workload") == _described(workload)
     results: dict[str, dict] = dict(previous.get("results", {})) if same_work else {}
 
     # The roofs of this run's floors, measured now, before any engine loads.
@@ -290,8 +295,17 @@ def main() -> None:
                 print(f"--- {name}: missing ({reason})")
                 results[name] = {"engine": name, "weights": e.weights, "ok": False, "error": f"missing: {reason}"}
                 continue
-            results[name] = run_engine(e, Path(f.name), args)
-            results[name]["machine"] = machine
+            new = run_engine(e, Path(f.name), args)
+            new["machine"] = machine
+            old = results.get(name, {})
+            if new.get("ok") and old.get("ok"):  # the part not run now keeps its earlier figures
+                for part in ("throughput", "single"):
+                    if part not in new and part in old:
+                        new[part] = old[part]
+                        new[f"{part}_measured_at"] = old.get(f"{part}_measured_at", old.get("measured_at"))
+            for part in workload["parts"]:
+                new[f"{part}_measured_at"] = new["measured_at"]
+            results[name] = new
 
     order = list(known)
     results = {k: results[k] for k in sorted(results, key=order.index)}
@@ -300,11 +314,17 @@ def main() -> None:
     print_table(results, args)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps({
-        "workload": {k: v for k, v in workload.items() if not k.endswith("prompts")},
+        "workload": _described(workload),
         "machine": {"cpus": os.cpu_count(), "cpu": _cpu_name(), "flags": _cpu_flags()},
         "results": results,
     }, indent=2))
     print(f"\nwrote {out_path}")
+
+
+def _described(workload: dict) -> dict:
+    """The workload as the JSON records it (runs of the same one merge): without the prompts
+    (they follow from the seeds) and the parts run this time."""
+    return {k: v for k, v in workload.items() if not k.endswith("prompts") and k != "parts"}
 
 
 def _gguf_type(files) -> str:

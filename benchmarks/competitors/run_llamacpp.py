@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 import time
 
-from common import Timer, load_workload, run_and_write, runner_args, single_stream, throughput_result
+from common import Timer, load_workload, parts, run_and_write, runner_args, single_stream, throughput_result
 
 
 def main() -> None:
@@ -92,24 +92,35 @@ def main() -> None:
 
         prompts = w["throughput_prompts"]
         ctx_len = max(len(p) for p in prompts + w["single_prompts"]) + out_len + 16
-        bctx, fa = make_ctx(len(prompts), ctx_len)
-        generate(bctx, prompts[:2], 4)  # warm-up
-        t0 = time.perf_counter()
-        outs = generate(bctx, prompts, out_len)
-        tput = throughput_result(time.perf_counter() - t0, prompts, out_len)
-        assert all(len(o) == out_len for o in outs)
-        tput["first_request_tokens"] = outs[0]
-        t0 = time.perf_counter()
-        generate(bctx, w["prefill_prompts"], 1)  # as many fresh prompts, 1 token each: the prefill share
-        tput["prefill_only_s"] = time.perf_counter() - t0
-        lc.llama_free(bctx)
+        fa_type = []
 
-        sctx, _ = make_ctx(1, ctx_len)
-        single = single_stream(lambda p, n: generate(sctx, [p], n), w["single_prompts"], out_len, w["single_reps"])
-        lc.llama_free(sctx)
+        def offline() -> dict:
+            bctx, fa = make_ctx(len(prompts), ctx_len)
+            fa_type.append(fa)
+            generate(bctx, prompts[:2], 4)  # warm-up
+            t0 = time.perf_counter()
+            outs = generate(bctx, prompts, out_len)
+            tput = throughput_result(time.perf_counter() - t0, prompts, out_len)
+            assert all(len(o) == out_len for o in outs)
+            tput["first_request_tokens"] = outs[0]
+            t0 = time.perf_counter()
+            generate(bctx, w["prefill_prompts"], 1)  # as many fresh prompts, 1 token each: the prefill share
+            tput["prefill_only_s"] = time.perf_counter() - t0
+            lc.llama_free(bctx)
+            return tput
+
+        def single() -> dict:
+            sctx, fa = make_ctx(1, ctx_len)
+            fa_type.append(fa)
+            s = single_stream(lambda p, n: generate(sctx, [p], n), w["single_prompts"], out_len, w["single_reps"])
+            lc.llama_free(sctx)
+            return s
+
+        measured = parts(w, offline, single)
+        fa = fa_type[0]
         return {"version": f"llama-cpp-python {lc.__version__}", "gguf": args.gguf, "kv_cache_type": args.kv_type,
                 "threads": threads, "n_batch": args.n_batch, "flash_attn_type": fa, "repack": args.repack,
-                "load_s": load.seconds, "throughput": tput, "single": single}
+                "load_s": load.seconds, **measured}
 
     run_and_write(args.out, body)
 

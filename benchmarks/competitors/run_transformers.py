@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from common import load_workload, run_and_write, runner_args, single_stream, throughput_result
+from common import load_workload, parts, run_and_write, runner_args, single_stream, throughput_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: throughput.py
 
@@ -31,8 +31,10 @@ def main() -> None:
         dtype = getattr(torch, args.dtype)
         gguf = Path(w["gguf_q4_1"])
         out_len = w["output_len"]
-        seconds = run_hf_baseline(gguf, w["throughput_prompts"], out_len, dtype, args.static_batch)
-        tput = throughput_result(seconds, w["throughput_prompts"], out_len)
+
+        def offline() -> dict:
+            seconds = run_hf_baseline(gguf, w["throughput_prompts"], out_len, dtype, args.static_batch)
+            return throughput_result(seconds, w["throughput_prompts"], out_len)
 
         hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype).eval()
 
@@ -43,10 +45,10 @@ def main() -> None:
                                   do_sample=False, pad_token_id=0)
             assert out.shape[1] == ids.shape[1] + n
 
-        single = single_stream(generate, w["single_prompts"], out_len, w["single_reps"])
+        measured = parts(w, offline, lambda: single_stream(generate, w["single_prompts"], out_len, w["single_reps"]))
         return {"version": f"transformers {transformers.__version__}", "torch": torch.__version__,
                 "threads": torch.get_num_threads(), "dtype": args.dtype,
-                "mode": f"static batches of {args.static_batch}", "throughput": tput, "single": single}
+                "mode": f"static batches of {args.static_batch}", **measured}
 
     run_and_write(args.out, body)
 

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from common import Timer, load_workload, run_and_write, runner_args, single_stream, throughput_result
+from common import Timer, load_workload, parts, run_and_write, runner_args, single_stream, throughput_result
 
 
 def main() -> None:
@@ -43,20 +43,24 @@ def main() -> None:
             assert all(len(o) == n for o in outs)
             return outs
 
-        generate(w["throughput_prompts"][:2], 4)  # warm-up
-        t0 = time.perf_counter()
-        outs = generate(w["throughput_prompts"], out_len)
-        tput = throughput_result(time.perf_counter() - t0, w["throughput_prompts"], out_len)
-        tput["first_request_tokens"] = outs[0]
-        t0 = time.perf_counter()
-        generate(w["prefill_prompts"], 1)  # as many fresh prompts (no prefix-cache hits), 1 token each
-        tput["prefill_only_s"] = time.perf_counter() - t0
-        single = single_stream(lambda p, n: generate([p], n), w["single_prompts"], out_len, w["single_reps"])
+        def offline() -> dict:
+            generate(w["throughput_prompts"][:2], 4)  # warm-up
+            t0 = time.perf_counter()
+            outs = generate(w["throughput_prompts"], out_len)
+            tput = throughput_result(time.perf_counter() - t0, w["throughput_prompts"], out_len)
+            tput["first_request_tokens"] = outs[0]
+            t0 = time.perf_counter()
+            generate(w["prefill_prompts"], 1)  # as many fresh prompts (no prefix-cache hits), 1 token each
+            tput["prefill_only_s"] = time.perf_counter() - t0
+            return tput
+
+        measured = parts(w, offline, lambda: single_stream(lambda p, n: generate([p], n), w["single_prompts"],
+                                                           out_len, w["single_reps"]))
         return {"version": f"vllm {vllm.__version__}", "torch": torch.__version__, "dtype": args.dtype, "ld_preload": os.environ.get("LD_PRELOAD"),
                 "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
                 "mode": "single process" if args.single_process else "default (engine core + worker processes)",
                 "max_num_batched_tokens": sched.max_num_batched_tokens, "max_num_seqs": sched.max_num_seqs,
-                "load_s": load.seconds, "throughput": tput, "single": single}
+                "load_s": load.seconds, **measured}
 
     run_and_write(args.out, body)
 
