@@ -7,8 +7,10 @@ itself, next to run_llamacpp.py's through its C API.
   (under a millisecond here), so this is a little kinder to llama.cpp than the other engines' TTFT.
 - decode: output_len tokens after an input_len-token context (`-n output_len -d input_len`).
 
-Both with every combination of flash attention on/off and weight repacking on/off (llama.cpp's
-AMX/AVX-512 repacked layouts); the best of each figure is the result, all combinations are kept.
+Both with flash attention on and off (best of the two is the result, both are kept) and weight
+repacking as --repack says (llama.cpp's AMX / AVX-512 repacked layouts): off by default, because on
+the AMX Xeon (model 207) repacking Q4_1 dies with SIGILL at `tileloadd` in ggml's AMX
+`tinygemm_kernel_amx` (gdb backtrace in docs/compare.md), which takes the whole llama-bench run with it.
 Throughput (offline) is not measured here: llama-bench runs one sequence.
 """
 
@@ -21,8 +23,8 @@ import sys
 from common import load_workload, run_and_write, runner_args
 
 
-def bench(binary: str, gguf: str, threads: int, reps: int, extra: list[str]) -> list[dict]:
-    cmd = [binary, "-m", gguf, "-t", str(threads), "-r", str(reps), "-fa", "0,1", "--repack", "0,1", "-o", "json",
+def bench(binary: str, gguf: str, threads: int, reps: int, repack: str, extra: list[str]) -> list[dict]:
+    cmd = [binary, "-m", gguf, "-t", str(threads), "-r", str(reps), "-fa", "0,1", "--repack", repack, "-o", "json",
            *extra]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -34,14 +36,15 @@ def main() -> None:
     ap = runner_args(__doc__)
     ap.add_argument("--gguf", required=True)
     ap.add_argument("--bench", required=True, help="the llama-bench binary")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--repack", default="0", help="llama-bench's --repack list: 0, 1 or 0,1")
     args = ap.parse_args()
     w = load_workload(args.workload)
 
     def body() -> dict:
         n_in, n_out, threads = w["input_len"], w["output_len"], w["threads"]
-        pp = bench(args.bench, args.gguf, threads, args.reps, ["-p", str(n_in), "-n", "0"])
-        tg = bench(args.bench, args.gguf, threads, args.reps, ["-p", "0", "-n", str(n_out), "-d", str(n_in)])
+        pp = bench(args.bench, args.gguf, threads, args.reps, args.repack, ["-p", str(n_in), "-n", "0"])
+        tg = bench(args.bench, args.gguf, threads, args.reps, args.repack, ["-p", "0", "-n", str(n_out), "-d", str(n_in)])
         best_pp = max(pp, key=lambda r: r["avg_ts"])
         best_tg = max(tg, key=lambda r: r["avg_ts"])
         keep = ("n_prompt", "n_gen", "n_depth", "flash_attn", "repack", "avg_ts", "stddev_ts")
