@@ -5,6 +5,7 @@ load; gguf keeps the file's blocks (Q4_1, Q4_K, ...) and computes its activation
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -56,7 +57,7 @@ def main() -> None:
                                                            out_len, w["single_reps"]))
         repo = Path(tessera.__file__).resolve().parents[1]  # the checkout measured (PYTHONPATH)
         commit = subprocess.run(["git", "-C", str(repo), "describe", "--always", "--dirty"],
-                                capture_output=True, text=True).stdout.strip()
+                                capture_output=True, text=True).stdout.strip() or os.environ.get("TESSERA_COMMIT", "?")
         return {"version": f"tessera {tessera.__version__} ({commit})", "torch": torch.__version__,
                 "threads": torch.get_num_threads(), "dtype": dtype, "quantization": args.quantization, "quantize_lm_head": args.quantize_lm_head,
                 "load_s": load.seconds, **measured}
