@@ -53,6 +53,14 @@ def single_stream(generate: Callable[[list[int], int], None], prompts: list[list
             "ttft_runs_s": t_first, "request_runs_s": t_full}
 
 
+def parts(w: dict, offline: Callable[[], dict], single: Callable[[], dict]) -> dict:
+    """Run the workload's parts (compare.py --parts: "throughput", "single" or both, so a slow
+    engine's run fits in two short locked runs); {"throughput": ..., "single": ...} of those run."""
+    chosen = w.get("parts", ["throughput", "single"])
+    return {**({"throughput": offline()} if "throughput" in chosen else {}),
+            **({"single": single()} if "single" in chosen else {})}
+
+
 def throughput_result(seconds: float, prompts: list[list[int]], output_len: int) -> dict:
     n_in = sum(len(p) for p in prompts)
     n_out = len(prompts) * output_len

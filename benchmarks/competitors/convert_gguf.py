@@ -1,5 +1,5 @@
-"""Write an F32 (or F16) GGUF from the packaged Q4_1 GGUF with llama.cpp's own quantizer
-(llama_model_quantize, allow_requantize: the Q4_1 blocks are dequantized, then stored as F32/F16).
+"""Write an F32 (or BF16, F16) GGUF from the packaged Q4_1 GGUF with llama.cpp's own quantizer
+(llama_model_quantize, allow_requantize: the Q4_1 blocks are dequantized, then stored as F32/BF16/F16).
 The F32 file holds exactly the values Tessera computes with in float32, so llama.cpp can be timed
 on the same weights. Run it with the llama.cpp venv:
 
@@ -17,7 +17,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src")
     ap.add_argument("dst")
-    ap.add_argument("--type", choices=["f32", "f16"], default="f32")
+    ap.add_argument("--type", choices=["f32", "bf16", "f16"], default="f32")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     if Path(args.dst).is_file():
@@ -27,7 +27,7 @@ def main() -> None:
 
     lc.llama_backend_init()
     p = lc.llama_model_quantize_default_params()
-    p.ftype = lc.LLAMA_FTYPE_ALL_F32 if args.type == "f32" else lc.LLAMA_FTYPE_MOSTLY_F16
+    p.ftype = {"f32": lc.LLAMA_FTYPE_ALL_F32, "bf16": lc.LLAMA_FTYPE_MOSTLY_BF16, "f16": lc.LLAMA_FTYPE_MOSTLY_F16}[args.type]
     p.allow_requantize = True
     p.nthread = args.threads
     Path(args.dst).parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,9 @@ directly, with greedy argmax over the logits in numpy, the way llama.cpp's own b
 
 --gguf picks the weights: the packaged Q4_1 file, or an F32/F16 GGUF that convert_gguf.py writes
 from it (same values, dequantized). --kv-type f16 is llama.cpp's default KV cache type; f32 matches
-an engine that keeps its KV cache in float32.
+an engine that keeps its KV cache in float32. --repack turns on llama.cpp's repacked weight layouts
+(AMX / AVX-512 tiles; `use_extra_bufts`, llama.cpp's `--repack`); off by default: with
+llama-cpp-python 0.3.36 on an AMX CPU it crashed in llama_decode (DESIGN.md).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import sys
 import time
 
-from common import Timer, load_workload, run_and_write, runner_args, single_stream, throughput_result
+from common import Timer, load_workload, parts, run_and_write, runner_args, single_stream, throughput_result
 
 
 def main() -> None:
@@ -25,6 +27,7 @@ def main() -> None:
     ap.add_argument("--gguf", required=True)
     ap.add_argument("--kv-type", choices=["f16", "f32"], default="f16")
     ap.add_argument("--n-batch", type=int, default=512)
+    ap.add_argument("--repack", action="store_true", help="llama.cpp's repacked weight layouts (use_extra_bufts)")
     args = ap.parse_args()
     w = load_workload(args.workload)
 
@@ -36,6 +39,7 @@ def main() -> None:
         lc.llama_backend_init()
         mparams = lc.llama_model_default_params()
         mparams.n_gpu_layers = 0
+        mparams.use_extra_bufts = args.repack
         with Timer() as load:
             model = lc.llama_model_load_from_file(args.gguf.encode(), mparams)
         if not model:
@@ -88,24 +92,35 @@ def main() -> None:
 
         prompts = w["throughput_prompts"]
         ctx_len = max(len(p) for p in prompts + w["single_prompts"]) + out_len + 16
-        bctx, fa = make_ctx(len(prompts), ctx_len)
-        generate(bctx, prompts[:2], 4)  # warm-up
-        t0 = time.perf_counter()
-        outs = generate(bctx, prompts, out_len)
-        tput = throughput_result(time.perf_counter() - t0, prompts, out_len)
-        assert all(len(o) == out_len for o in outs)
-        tput["first_request_tokens"] = outs[0]
-        t0 = time.perf_counter()
-        generate(bctx, w["prefill_prompts"], 1)  # as many fresh prompts, 1 token each: the prefill share
-        tput["prefill_only_s"] = time.perf_counter() - t0
-        lc.llama_free(bctx)
+        fa_type = []
 
-        sctx, _ = make_ctx(1, ctx_len)
-        single = single_stream(lambda p, n: generate(sctx, [p], n), w["single_prompts"], out_len, w["single_reps"])
-        lc.llama_free(sctx)
+        def offline() -> dict:
+            bctx, fa = make_ctx(len(prompts), ctx_len)
+            fa_type.append(fa)
+            generate(bctx, prompts[:2], 4)  # warm-up
+            t0 = time.perf_counter()
+            outs = generate(bctx, prompts, out_len)
+            tput = throughput_result(time.perf_counter() - t0, prompts, out_len)
+            assert all(len(o) == out_len for o in outs)
+            tput["first_request_tokens"] = outs[0]
+            t0 = time.perf_counter()
+            generate(bctx, w["prefill_prompts"], 1)  # as many fresh prompts, 1 token each: the prefill share
+            tput["prefill_only_s"] = time.perf_counter() - t0
+            lc.llama_free(bctx)
+            return tput
+
+        def single() -> dict:
+            sctx, fa = make_ctx(1, ctx_len)
+            fa_type.append(fa)
+            s = single_stream(lambda p, n: generate(sctx, [p], n), w["single_prompts"], out_len, w["single_reps"])
+            lc.llama_free(sctx)
+            return s
+
+        measured = parts(w, offline, single)
+        fa = fa_type[0]
         return {"version": f"llama-cpp-python {lc.__version__}", "gguf": args.gguf, "kv_cache_type": args.kv_type,
-                "threads": threads, "n_batch": args.n_batch, "flash_attn_type": fa,
-                "load_s": load.seconds, "throughput": tput, "single": single}
+                "threads": threads, "n_batch": args.n_batch, "flash_attn_type": fa, "repack": args.repack,
+                "load_s": load.seconds, **measured}
 
     run_and_write(args.out, body)
 

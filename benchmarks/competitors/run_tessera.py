@@ -1,22 +1,24 @@
 """Tessera on the compare.py workload (Tessera's venv): offline throughput through LLM.generate,
-then one request at a time. --quantization none computes in float32 (auto dtype on this CPU) from
-the GGUF dequantized at load; gguf keeps the file's Q4_1 blocks.
+then one request at a time. --quantization none computes in --dtype from the GGUF dequantized at
+load; gguf keeps the file's blocks (Q4_1, Q4_K, ...) and computes its activations in --dtype.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from common import Timer, load_workload, run_and_write, runner_args, single_stream, throughput_result
+from common import Timer, load_workload, parts, run_and_write, runner_args, single_stream, throughput_result
 
 
 def main() -> None:
     ap = runner_args(__doc__)
     ap.add_argument("--quantization", default="none")
     ap.add_argument("--quantize-lm-head", action="store_true")
+    ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
     w = load_workload(args.workload)
 
@@ -27,7 +29,7 @@ def main() -> None:
         from tessera import LLM, SamplingParams
 
         with Timer() as load:
-            llm = LLM(w["gguf_q4_1"], dtype="auto", quantization=args.quantization,
+            llm = LLM(w["gguf_q4_1"], dtype=args.dtype, quantization=args.quantization,
                       quantize_lm_head=args.quantize_lm_head,
                       max_num_batched_tokens=512, max_num_seqs=64, num_threads=w["threads"])
         dtype = str(llm.engine.dtype).removeprefix("torch.")
@@ -39,21 +41,26 @@ def main() -> None:
             return outs
 
         out_len = w["output_len"]
-        generate(w["throughput_prompts"][:2], 4)  # warm-up
-        t0 = time.perf_counter()
-        outs = generate(w["throughput_prompts"], out_len)
-        tput = throughput_result(time.perf_counter() - t0, w["throughput_prompts"], out_len)
-        tput["first_request_tokens"] = outs[0]
-        t0 = time.perf_counter()
-        generate(w["prefill_prompts"], 1)  # as many fresh prompts (no prefix-cache hits), 1 token each
-        tput["prefill_only_s"] = time.perf_counter() - t0
-        single = single_stream(lambda p, n: generate([p], n), w["single_prompts"], out_len, w["single_reps"])
-        repo = Path(__file__).resolve().parents[2]
+
+        def offline() -> dict:
+            generate(w["throughput_prompts"][:2], 4)  # warm-up
+            t0 = time.perf_counter()
+            outs = generate(w["throughput_prompts"], out_len)
+            tput = throughput_result(time.perf_counter() - t0, w["throughput_prompts"], out_len)
+            tput["first_request_tokens"] = outs[0]
+            t0 = time.perf_counter()
+            generate(w["prefill_prompts"], 1)  # as many fresh prompts (no prefix-cache hits), 1 token each
+            tput["prefill_only_s"] = time.perf_counter() - t0
+            return tput
+
+        measured = parts(w, offline, lambda: single_stream(lambda p, n: generate([p], n), w["single_prompts"],
+                                                           out_len, w["single_reps"]))
+        repo = Path(tessera.__file__).resolve().parents[1]  # the checkout measured (PYTHONPATH)
         commit = subprocess.run(["git", "-C", str(repo), "describe", "--always", "--dirty"],
-                                capture_output=True, text=True).stdout.strip()
+                                capture_output=True, text=True).stdout.strip() or os.environ.get("TESSERA_COMMIT", "?")
         return {"version": f"tessera {tessera.__version__} ({commit})", "torch": torch.__version__,
                 "threads": torch.get_num_threads(), "dtype": dtype, "quantization": args.quantization, "quantize_lm_head": args.quantize_lm_head,
-                "load_s": load.seconds, "throughput": tput, "single": single}
+                "load_s": load.seconds, **measured}
 
     run_and_write(args.out, body)
 

@@ -216,5 +216,8 @@ class CausalLM(nn.Module, ABC):
 
 def whole(p: torch.Tensor | nn.Module) -> tuple[torch.Tensor, int, int]:
     """A weight target filled by one tensor (p may already be a quantized layer: linear_slots
-    reads the targets of a quantized model too)."""
-    return (p, 0, p.shape[0] if isinstance(p, torch.Tensor) else p.out_features)
+    reads the targets of a quantized model too; gguf mode's embedding is a QuantEmbedding, whose
+    rows are those of the QuantLinear it wraps)."""
+    if isinstance(p, torch.Tensor):
+        return (p, 0, p.shape[0])
+    return (p, 0, getattr(p, "layer", p).out_features)

@@ -148,6 +148,20 @@ def test_gguf_mode_lm_head_and_embedding_from_blocks(tiny_model_factory, tmp_pat
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_gguf_mode_model_goes_through_the_invariant_kernel_pass(tiny_model_factory, tmp_path):
+    """The engine runs make_linears_invariant on every bf16 model on AMX, gguf mode included: it
+    must read the slots of a model whose embedding is a QuantEmbedding, and leave the quantized
+    weights (modules, not tensors) as they are."""
+    from tessera.kernels.linear import make_linears_invariant
+
+    path = write_gguf_from_hf_dir(tiny_model_factory(tie_word_embeddings=True), tmp_path / "t.gguf", qtype=Q.Q8_0)
+    model = load(path, "gguf")
+    want = prefill_and_decode_logits(model, PROMPT)
+    assert make_linears_invariant(model) == 0
+    assert isinstance(model.embed_tokens, QuantEmbedding) and isinstance(model.lm_head, QuantLinear)
+    torch.testing.assert_close(prefill_and_decode_logits(model, PROMPT), want, rtol=0, atol=0)
+
+
 def test_float_tensors_are_logged_as_dequantized(tiny_model_dir, tmp_path, caplog):
     path = write_gguf_from_hf_dir(tiny_model_dir, tmp_path / "f32.gguf")
     with caplog.at_level(logging.INFO, logger="tessera"):
