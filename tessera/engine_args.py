@@ -87,7 +87,7 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("quant_group_size", "--quant-group-size", "Weights per scale and zero point in --quantization int4.",
                type=int, choices=INT4_GROUP_SIZES),
     EngineFlag("kv_cache_dtype", "--kv-cache-dtype", "KV cache elements: auto (the model dtype), int8 or fp8 (one "
-               "byte plus a scale per token and KV head; torch backend only).", choices=KV_CACHE_DTYPES),
+               "byte plus a scale per token and KV head; CPU backends, not the Triton one).", choices=KV_CACHE_DTYPES),
     EngineFlag("sparsity", "--sparsity", "2:4 keeps the 2 largest of each 4 weights of the linear layers (saves "
                "memory only with --quantization none).", choices=SPARSITY_PATTERNS),
     EngineFlag("swap_space", "--swap-space", "GiB of host memory for the host KV tier that preempted sequences are "
