@@ -36,7 +36,9 @@ class ServerProcess:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "tessera.cli", "serve", str(model_dir), "--port", str(self.port),
                     "--dtype", "float32", "--max-model-len", "256", "--served-model-name", MODEL,
-                    "--num-threads", str(num_threads), "--no-access-log", "--log-level", "warning", *flags]
+                    "--num-threads", str(num_threads), "--no-access-log", "--log-level", "warning",
+                    "--no-warmup",  # the warm-up has its own tests (test_warmup.py)
+                    *flags]
         self.proc: subprocess.Popen | None = None
         self.log: list[str] = []
         self._rss_peak_kib = 0
