@@ -13,7 +13,6 @@ import time
 
 from tessera.engine.engine import LLMEngine
 
-
 _warming = [False]  # the server's start-up warm-up runs freely: the gate counts served steps
 
 

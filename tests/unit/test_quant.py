@@ -19,6 +19,7 @@ from tessera.quant.int4 import Int4Linear, _pack_codes_for_kernel, packed_layout
 from tessera.quant.int8 import Int8Linear
 from tessera.quant.w8a8 import W8A8Linear, _pad_rows, quantize_per_token
 
+
 @pytest.fixture(autouse=True)
 def _torch_kernels(monkeypatch):
     monkeypatch.setenv("TESSERA_QUANT_INVARIANT", "0")

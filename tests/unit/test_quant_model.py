@@ -18,10 +18,9 @@ from tessera import LLM, SamplingParams
 from tessera.attention.metadata import single_sequence_metadata
 from tessera.config import EngineConfig
 from tessera.model.llama import LlamaForCausalLM
-from tessera.quant import invariant
 from tessera.model.weights import load_model_files
 from tessera.quality import perplexity
-from tessera.quant import QuantLinear, quantize_model, weight_memory_bytes
+from tessera.quant import QuantLinear, invariant, quantize_model, weight_memory_bytes
 from tessera.quant.linear import linear_weight_slots, replace_weight
 from tests.tiny_model import write_gguf_from_hf_dir
 
