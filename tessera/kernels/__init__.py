@@ -25,7 +25,7 @@ def available() -> bool:
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -37,11 +37,11 @@ def _cpu_flags() -> frozenset[str]:
 
 
 def cpu_has_amx_bf16() -> bool:
-    return "amx_bf16" in _cpu_flags()
+    return "amx_bf16" in cpu_flags()
 
 
 def cpu_has_avx512_bf16() -> bool:
-    return "avx512_bf16" in _cpu_flags()
+    return "avx512_bf16" in cpu_flags()
 
 
 def ops():

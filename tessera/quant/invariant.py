@@ -28,14 +28,10 @@ INT8, Q8_0, INT4, BF16 = 0, 1, 2, 3
 _SOURCES = (Path(__file__).parent / "csrc" / "invariant_qgemm.cpp",)
 
 
-@functools.cache
 def _cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return all(flag in flags for flag in ("amx_bf16", "amx_int8", "amx_tile", "avx512_bf16"))
+    from tessera.kernels import cpu_flags
+
+    return {"amx_bf16", "amx_int8", "amx_tile", "avx512_bf16"} <= cpu_flags()
 
 
 @functools.cache
