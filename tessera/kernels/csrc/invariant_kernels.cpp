@@ -69,6 +69,17 @@ inline void store_row_bf16(
   _mm256_mask_storeu_epi16(reinterpret_cast<void*>(out), mask, reinterpret_cast<__m256i&>(h));
 }
 
+constexpr int64_t kPrefetch = 8;  // B tiles (1 KiB each) ahead of the one being loaded
+
+inline void prefetch_tiles(const at::BFloat16* b0, const at::BFloat16* b1, int64_t ks) {
+  const char* p0 = reinterpret_cast<const char*>(b0 + (ks + kPrefetch) * 16 * 32);
+  const char* p1 = reinterpret_cast<const char*>(b1 + (ks + kPrefetch) * 16 * 32);
+  for (int line = 0; line < 1024; line += 64) {
+    _mm_prefetch(p0 + line, _MM_HINT_T0);
+    _mm_prefetch(p1 + line, _MM_HINT_T0);
+  }
+}
+
 // C[M, N] = A[Mp, Kp] (bf16, rows padded to 16, K to 32) x B (VNNI-packed [Np/16][Kp/2][16][2]).
 // Rows go 32 at a time (two A tiles share each B tile); a last group of at most 16 rows uses one
 // A tile and half the tile products. Either way a C tile row is its A row times B, summed over K
@@ -90,10 +101,14 @@ void amx_gemm(
         const at::BFloat16* a1 = a0 + 16 * kp;
         _tile_zero(0);
         _tile_zero(1);
+        // The first row group streams B from memory: prefetch it kPrefetch tiles ahead (the tile
+        // loads alone leave too few misses in flight to reach the bandwidth at decode sizes).
+        const bool stream = mt == 0;
         if (two) {
           _tile_zero(2);
           _tile_zero(3);
           for (int64_t ks = 0; ks < k_steps; ++ks) {
+            if (stream) prefetch_tiles(b0, b1, ks);
             _tile_loadd(4, a0 + ks * 32, kp * 2);
             _tile_loadd(5, a1 + ks * 32, kp * 2);
             _tile_loadd(6, b0 + ks * 16 * 32, 64);
@@ -105,6 +120,7 @@ void amx_gemm(
           }
         } else {
           for (int64_t ks = 0; ks < k_steps; ++ks) {
+            if (stream) prefetch_tiles(b0, b1, ks);
             _tile_loadd(4, a0 + ks * 32, kp * 2);
             _tile_loadd(6, b0 + ks * 16 * 32, 64);
             _tile_loadd(7, b1 + ks * 16 * 32, 64);
