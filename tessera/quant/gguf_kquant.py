@@ -58,13 +58,19 @@ def _decode_q5_1(b: torch.Tensor) -> torch.Tensor:
     return d * _q5_codes(b[..., 4:8], b[..., 8:24]).float() + m
 
 
-def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K / Q5_K: (d * sc, dmin * mn), each float32 [R, nb, 8, 1]."""
-    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+def _k_scale_codes(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: the 6-bit scale and min of each 32-wide sub-block, uint8 [R, nb, 8] each."""
     s = b[..., 4:16].reshape(*b.shape[:-1], 3, 4)
     lo, mid, top = s[..., 0, :], s[..., 1, :], s[..., 2, :]
     sc = torch.cat([lo & 0x3F, (top & 0x0F) | ((lo >> 2) & 0x30)], dim=-1)
     mn = torch.cat([mid & 0x3F, (top >> 4) | ((mid >> 2) & 0x30)], dim=-1)
+    return sc, mn
+
+
+def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: (d * sc, dmin * mn), each float32 [R, nb, 8, 1]."""
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    sc, mn = _k_scale_codes(b)
     return (d * sc.float())[..., None], (dmin * mn.float())[..., None]
 
 
@@ -86,14 +92,19 @@ def _decode_q5_k(b: torch.Tensor) -> torch.Tensor:
     return scale * q.float() - offset
 
 
+def _q6_codes(b: torch.Tensor) -> torch.Tensor:
+    """Q6_K blocks [R, nb, 210] -> 6-bit codes int8 [R, nb, 8, 32] in weight order (q + 32)."""
+    lead = b.shape[:-1]
+    ql = (b[..., 0:128].reshape(*lead, 2, 1, 64) >> _shifts(0, 4).view(2, 1)) & 0x0F
+    qh = (b[..., 128:192].reshape(*lead, 2, 1, 32) >> _shifts(0, 2, 4, 6).view(4, 1)) & 0x03
+    return ql.reshape(*lead, 8, 32).to(torch.int8) | (qh.reshape(*lead, 8, 32).to(torch.int8) << 4)
+
+
 def _decode_q6_k(b: torch.Tensor) -> torch.Tensor:
     lead = b.shape[:-1]
     scales = b[..., 192:208].contiguous().view(torch.int8).float()
     d = (_f16(b[..., 208:210]) * scales).reshape(*lead, 16, 1)
-    ql = (b[..., 0:128].reshape(*lead, 2, 1, 64) >> _shifts(0, 4).view(2, 1)) & 0x0F
-    qh = (b[..., 128:192].reshape(*lead, 2, 1, 32) >> _shifts(0, 2, 4, 6).view(4, 1)) & 0x03
-    q = ql.reshape(*lead, 8, 32).to(torch.int8) | (qh.reshape(*lead, 8, 32).to(torch.int8) << 4)
-    return d * (q - 32).reshape(*lead, 16, 16).float()
+    return d * (_q6_codes(b) - 32).reshape(*lead, 16, 16).float()
 
 
 _DECODERS = {Q.Q5_0: _decode_q5_0, Q.Q5_1: _decode_q5_1, Q.Q4_K: _decode_q4_k, Q.Q5_K: _decode_q5_k,
@@ -119,9 +130,22 @@ class GGUFBlockLinear(QuantLinear):
         super().__init__(rows, row_bytes // nbytes * block)
         self.qtype = qtype
         self.method = f"gguf {qtype.name}"
-        self.register_buffer("raw", raw.contiguous())
         self.invariant = invariant.enabled(raw.device) and self.in_features % 32 == 0
         self.kernels = ("invariant",) if self.invariant else ("dequant",)
+        if self.invariant:  # the blocks' bits in the kernel's tile order are the only copy
+            from tessera.quant.gguf_tiles import KQTiles
+
+            tiles = KQTiles.pack(raw, qtype)
+            for name in ("codes", "planes", "sup", "sub"):
+                self.register_buffer(f"tile_{name}", getattr(tiles, name))
+        else:
+            self.register_buffer("raw", raw.contiguous())
+
+    @property
+    def tiles(self):
+        from tessera.quant.gguf_tiles import KQTiles
+
+        return KQTiles(self.tile_codes, self.tile_planes, self.tile_sup, self.tile_sub)
 
     @classmethod
     def from_gguf(cls, data: np.ndarray, qtype: Q, rows: int) -> GGUFBlockLinear:
@@ -132,10 +156,15 @@ class GGUFBlockLinear(QuantLinear):
         tile.copy_(decode_rows(self.raw[start:end], self.qtype))
 
     def dequantize(self) -> torch.Tensor:
+        if self.invariant:
+            return self.tiles.rows(torch.arange(self.out_features), self.in_features, self.qtype)
         return decode_rows(self.raw, self.qtype)
 
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return decode_rows(self.raw[ids.reshape(-1)], self.qtype).reshape(*ids.shape, self.in_features)
+        flat = ids.reshape(-1)
+        rows = self.tiles.rows(flat, self.in_features, self.qtype) if self.invariant else \
+            decode_rows(self.raw[flat], self.qtype)
+        return rows.reshape(*ids.shape, self.in_features)
 
     def select_kernel(self, num_rows: int) -> str:
         return self.kernels[0]
@@ -149,16 +178,7 @@ class GGUFBlockLinear(QuantLinear):
         return tiled_matmul(x, self.out_features, max(1, tile_rows_for(self.in_features) // 4), self._fill)
 
     def _invariant_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """Batch-invariant: row tiles (a fixed split of N, never of M) decoded, rounded to bf16
-        (with a bf16 remainder for float32 activations), packed in tile order and multiplied by
-        the AMX kernel (invariant.py); each output column is reduced over K in one fixed order
-        whatever M is."""
-        rows = max(32, tile_rows_for(self.in_features) // 4 // 32 * 32)
-        y = x.new_empty(x.shape[0], self.out_features)
-        for start in range(0, self.out_features, rows):
-            end = min(start + rows, self.out_features)
-            w = decode_rows(self.raw[start:end], self.qtype)
-            hi = w.to(torch.bfloat16)
-            lo = invariant.pack_tiles((w - hi.float()).to(torch.bfloat16)) if x.dtype != torch.bfloat16 else None
-            y[:, start:end] = invariant.qgemm(x, invariant.pack_tiles(hi), hi, lo, invariant.BF16, end - start)
-        return y
+        """Batch-invariant: every tile decoded from its codes in registers, rounded to bf16 (with a
+        bf16 remainder for float32 activations) and multiplied on AMX (invariant.py, gguf_tiles.py);
+        each output column is reduced over K in one fixed order whatever M is."""
+        return self.tiles.matmul(x, self.qtype, self.out_features)

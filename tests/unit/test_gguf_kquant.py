@@ -21,7 +21,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from tessera import native
 from tessera.model.llama import LlamaForCausalLM
 from tessera.model.weights import load_model_files
-from tessera.quant import QuantLinear, native_gemv, quantize_model
+from tessera.quant import QuantLinear, invariant, native_gemv, quantize_model
 from tessera.quant.gguf_embedding import QuantEmbedding, dequantize_rows
 from tessera.quant.gguf_kquant import KQUANT_TYPES, GGUFBlockLinear, decode_rows
 from tessera.quant.gguf_native import ConcatLinear, Q8_0Linear, decode_q8_0
@@ -76,7 +76,28 @@ def test_block_linear_matches_f_linear(qtype, m):
         assert (err <= 2**-8 * (x.double().abs() @ w.double().abs().t())).all()
     else:
         torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
-    assert layer.weight_bytes() == raw.nbytes  # the file's bytes, no float copy
+    assert layer.weight_bytes() == expected_bytes(qtype, 600, 512, layer.invariant)  # no float copy
+
+
+def expected_bytes(qtype: Q, rows: int, k: int, tiled: bool) -> int:
+    """The file's bytes; in tile order (gguf_tiles.py) rows padded to 32, and Q4_K / Q5_K keep their
+    twelve bytes of 6-bit scales and mins per super-block in sixteen."""
+    row_bytes = k // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]
+    if not tiled:
+        return rows * row_bytes
+    return -(-rows // 32) * 32 * (row_bytes + (k // 256 * 4 if qtype in (Q.Q4_K, Q.Q5_K) else 0))
+
+
+@pytest.mark.skipif(not invariant.available(), reason="the tile layout is the AMX kernel's")
+@pytest.mark.parametrize("qtype", KQUANT_TYPES)
+def test_tile_layout_holds_the_files_weight_bit_for_bit(qtype):
+    raw = random_blocks(qtype, 70, 512, seed=6)
+    layer = GGUFBlockLinear(torch.from_numpy(raw.copy()), qtype)
+    assert layer.invariant and not hasattr(layer, "raw")
+    want = gguf.quants.dequantize(raw, qtype)
+    assert np.array_equal(layer.dequantize().numpy().view(np.uint32), want.view(np.uint32))
+    ids = torch.tensor([69, 0, 33, 16, 33])
+    assert np.array_equal(layer.dequantize_rows(ids).numpy().view(np.uint32), want[ids.numpy()].view(np.uint32))
 
 
 def test_concat_linear_of_mixed_types():
@@ -162,12 +183,38 @@ def test_gguf_mode_model_goes_through_the_invariant_kernel_pass(tiny_model_facto
     torch.testing.assert_close(prefill_and_decode_logits(model, PROMPT), want, rtol=0, atol=0)
 
 
+def _gguf_log(caplog) -> dict[str, tuple[int, str, float]]:
+    """The per-type lines of gguf_linears' log: type -> (tensors, what happened, MiB)."""
+    lines = [r for r in caplog.records if r.msg.startswith("gguf: %d %s tensor(s)")]
+    return {r.args[1]: (r.args[0], r.args[2], r.args[3]) for r in lines}
+
+
 def test_float_tensors_are_logged_as_dequantized(tiny_model_dir, tmp_path, caplog):
     path = write_gguf_from_hf_dir(tiny_model_dir, tmp_path / "f32.gguf")
     with caplog.at_level(logging.INFO, logger="tessera"):
         model = load(path, "gguf")
     assert "F32 tensor(s) dequantized to torch.float32 (no native kernel)" in caplog.text
     assert isinstance(model.embed_tokens, torch.nn.Parameter)
+    # Every 2-D weight of the file, each once, at 4 bytes a weight.
+    weights = [p for n, p in model.named_parameters() if p.dim() == 2]
+    count, _, mib = _gguf_log(caplog)["F32"]
+    assert count == 7 * model.config.num_layers + 2  # q k v o gate up down a layer, embedding, lm_head
+    assert mib == pytest.approx(sum(p.numel() * 4 for p in weights) / 2**20, rel=1e-9)
+
+
+def test_native_tensors_are_logged_with_the_memory_they_take(tiny_model_dir, tmp_path, caplog):
+    path = write_gguf_from_hf_dir(tiny_model_dir, tmp_path / "q5.gguf", qtype=Q.Q5_0)
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        model = load(path, "gguf")
+    layers = {id(m): m for m in model.modules() if isinstance(m, QuantLinear)}
+    count, what, mib = _gguf_log(caplog)["Q5_0"]
+    assert what == "computed from their blocks"
+    assert count == 7 * model.config.num_layers + 2
+    assert mib == pytest.approx(sum(m.weight_bytes() for m in layers.values()) / 2**20, rel=1e-9)
+    # ...which is the file's Q5_0 bytes (rows padded to 32 in the AMX tile order): 5.5 bits a weight.
+    files = load_model_files(path)
+    file_bytes = sum(t.n_bytes for t in files.reader.tensors if t.tensor_type == Q.Q5_0)
+    assert file_bytes <= mib * 2**20 <= file_bytes * 1.3
 
 
 # ---- the C++ decode GEMV --------------------------------------------------------------------

@@ -50,6 +50,8 @@ LAYERS = {
     "gguf-q8_0": lambda: Q8_0Linear(*decode_q8_0(_gguf_blocks(Q.Q8_0), N)),
     "gguf-q4_1": lambda: Int4Linear.from_codes(*_q4_1_parts(), group_size=32),
     "gguf-q6_k": lambda: GGUFBlockLinear(torch.from_numpy(random_blocks(Q.Q6_K, N, K, seed=3)), Q.Q6_K),
+    "gguf-q5_0": lambda: GGUFBlockLinear(torch.from_numpy(_gguf_blocks(Q.Q5_0)), Q.Q5_0),
+    "gguf-q4_k": lambda: GGUFBlockLinear(torch.from_numpy(random_blocks(Q.Q4_K, N, K, seed=4)), Q.Q4_K),
 }
 
 

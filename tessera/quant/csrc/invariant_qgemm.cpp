@@ -24,6 +24,14 @@
 //   BF16  codes bf16 [Nb, Kb, 16, 16, 2] (already a B tile), optional remainder tiles as zero
 //                                                                               W = codes (+ zero)
 //   W8A8  codes int8 [Nb, K/64, 16, 16, 4], x int8 [M, Kp] with its own scale sx: y = sum * (sx * sw)
+//   KQ    GGUF Q5_0, Q5_1, Q4_K, Q5_K, Q6_K with their bits rearranged, none added or lost (kqgemm):
+//         codes uint8 as INT4 (the low 4 bits of each code), planes int32 [Nb, Kb, 16, P]
+//         (P = 0..2: bit i of plane p is bit 4 + p of value i of a k-pair row), sup f16
+//         [Nb, S, F, 16] (d, and dmin / m where F = 2, per super-block of K / S), sub [Nb, Kb, 2, 16] (Q4_K/Q5_K:
+//         uint8 scale and min of the 32-wide sub-block; Q6_K: int8 scales of its two 16-wide halves)
+//           Q5_0 W = d q - 16 d       Q5_1 W = d q + m       Q4_K/Q5_K W = (d sc) q - dmin mn
+//           Q6_K W = (d sc) q - 32 (d sc)                     (each one fma in fp32, then bf16)
+//         Every product before the fma is exact in fp32, so W equals gguf's float32 dequantization.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -39,7 +47,9 @@
 
 namespace {
 
-enum Format : int64_t { kInt8 = 0, kQ8_0 = 1, kInt4 = 2, kBf16 = 3 };
+enum Format : int64_t { kInt8 = 0, kQ8_0 = 1, kInt4 = 2, kBf16 = 3, kKQ = 4 };
+// The KQ kinds: how sup and sub make a column's scale s and offset z (W = fma(s, q, z)).
+enum KQKind : int64_t { kQ5_0 = 0, kQ5_1 = 1, kQK = 2, kQ6_K = 3 };
 
 bool amx_permitted() {
   // Linux hands out AMX tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
@@ -100,7 +110,40 @@ struct Weight {
   const void* codes;
   const void* scale;  // INT8: f32 [Np]; Q8_0: f16 [Nb, Kb, 16]; INT4: bf16 [Nb, G, 16]
   const void* zero;   // INT4: bf16 [Nb, G, 16]
+  // KQ only (scale holds sup, groups its S): the extra bit planes and the sub-block scales.
+  const int32_t* planes = nullptr;
+  int64_t nplanes = 0, kind = 0, sup_fields = 1;
+  const void* sub = nullptr;
 };
+
+__attribute__((target("avx512f"))) inline __m512 f16x16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// A KQ tile's per-column scale and offset for k-pair rows 0-7 (s0, z0) and 8-15 (s1, z1).
+__attribute__((target("avx512f,avx512bw"))) inline void kq_scales(const Weight& w, int64_t nb, int64_t ks,
+                                                                  __m512& s0, __m512& z0, __m512& s1, __m512& z1) {
+  const int64_t kb = w.kp / 32, g = ks * w.groups / kb;
+  const uint16_t* sup = static_cast<const uint16_t*>(w.scale) + (nb * w.groups + g) * 16 * w.sup_fields;
+  const __m512 d = f16x16(sup), second = w.sup_fields == 2 ? f16x16(sup + 16) : _mm512_setzero_ps();
+  if (w.kind == kQ5_0 || w.kind == kQ5_1) {
+    s0 = s1 = d;
+    z0 = z1 = w.kind == kQ5_0 ? _mm512_mul_ps(d, _mm512_set1_ps(-16.f)) : second;
+    return;
+  }
+  const int8_t* sub = static_cast<const int8_t*>(w.sub) + (nb * kb + ks) * 32;
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sub));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sub + 16));
+  if (w.kind == kQK) {  // uint8 scale and min of the sub-block
+    s0 = s1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(a)));
+    z0 = z1 = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(second, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))));
+  } else {  // Q6_K: int8 scales of the two halves, q - 32
+    s0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a)));
+    s1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)));
+    z0 = _mm512_mul_ps(s0, _mm512_set1_ps(-32.f));
+    z1 = _mm512_mul_ps(s1, _mm512_set1_ps(-32.f));
+  }
+}
 
 // Tile (nb, ks) of the weight as a bf16 B tile (512 values, VNNI order) into dst, and its
 // remainder into lo when lo is given (float32 activations: W to about 16 bits).
@@ -141,6 +184,29 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void dequant_tile(const W
       __m512 f1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(nib1), eight));
       store_bf16x32(dst + r * 32, lo ? lo + r * 32 : nullptr, _mm512_fmadd_ps(f0, slo, zlo),
                     _mm512_fmadd_ps(f1, shi, zhi));
+    }
+  } else if (w.fmt == kKQ) {
+    const uint8_t* src = static_cast<const uint8_t*>(w.codes) + tile * 256;
+    const int32_t* planes = w.planes + tile * 16 * w.nplanes;
+    __m512 s0, z0, s1, z1, slo, shi, zlo, zhi;
+    kq_scales(w, nb, ks, s0, z0, s1, z1);
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int r = 0; r < 16; ++r) {
+      if (r == 0 || r == 8) {
+        expand_cols(r ? s1 : s0, slo, shi);
+        expand_cols(r ? z1 : z0, zlo, zhi);
+      }
+      __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + r * 16));
+      __m512i v0 = _mm512_cvtepu8_epi32(_mm_and_si128(b, low));
+      __m512i v1 = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low));
+      for (int64_t p = 0; p < w.nplanes; ++p) {  // bit 4 + p of values 0..15 (low half), 16..31 (high)
+        const uint32_t bits = static_cast<uint32_t>(planes[r * w.nplanes + p]);
+        const __m512i add = _mm512_set1_epi32(16 << p);
+        v0 = _mm512_mask_add_epi32(v0, static_cast<__mmask16>(bits & 0xFFFF), v0, add);
+        v1 = _mm512_mask_add_epi32(v1, static_cast<__mmask16>(bits >> 16), v1, add);
+      }
+      store_bf16x32(dst + r * 32, lo ? lo + r * 32 : nullptr, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v0), slo, zlo),
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(v1), shi, zhi));
     }
   }
 }
@@ -246,6 +312,35 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void co
   }
 }
 
+// Every column pair of the weight for every activation row of x (the caller checked w).
+at::Tensor run(const at::Tensor& x, const Weight& w, int64_t nbk) {
+  const int64_t n = w.n, kp = w.kp, kb = kp / 32, fmt = w.fmt, k = x.size(1), m = x.size(0);
+  const int64_t mp = std::max<int64_t>(16, (m + 15) / 16 * 16);
+  // The A operands: zero padded rows and K, reused across calls (no per-call page faults).
+  thread_local std::vector<uint16_t> abuf;
+  const bool split = x.scalar_type() == at::kFloat;
+  const size_t need = size_t(mp * kp) * (split ? 2 : 1);
+  if (abuf.size() < need) abuf.resize(need);
+  std::fill(abuf.begin(), abuf.begin() + need, 0);
+  uint16_t* a_hi = abuf.data();
+  uint16_t* a_lo = split ? a_hi + mp * kp : nullptr;
+  pack_a(x, m, k, kp, a_hi, a_lo);
+  auto out = at::empty({m, n}, x.options());
+  void* outp = out.data_ptr();
+  const at::ScalarType dtype = x.scalar_type();
+  // float32 activations also take the weight's remainder where W is not exact in bf16.
+  const bool w_lo = split && (fmt == kQ8_0 || fmt == kInt4 || fmt == kKQ || (fmt == kBf16 && w.zero));
+  at::parallel_for(0, nbk / 2, 1, [&](int64_t p0, int64_t p1) {
+    thread_local std::vector<uint16_t> bbuf;
+    if (bbuf.size() < size_t(kb * 4 * 512)) bbuf.resize(kb * 4 * 512);
+    configure_tiles();
+    for (int64_t p = p0; p < p1; ++p) column_pair(w, p, a_hi, a_lo, w_lo, m, mp, bbuf.data(), outp, dtype);
+    _tile_release();
+  });
+  return out;
+}
+
+
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                  const c10::optional<at::Tensor>& zero, int64_t fmt, int64_t n, int64_t k) {
   TORCH_CHECK(amx_permitted(), "tessera_qgemm: the kernel did not get AMX tile state from the OS");
@@ -254,7 +349,6 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
   TORCH_CHECK(codes.dim() >= 2 && codes.is_contiguous(), "tessera_qgemm: codes must be contiguous tiles");
   const int64_t nbk = codes.size(0), kb = codes.size(1), np = nbk * 16, kp = kb * 32;
   TORCH_CHECK(nbk % 2 == 0 && np >= n && kp >= k && kp - k < 32, "tessera_qgemm: tiles do not fit [", n, ", ", k, "]");
-  const int64_t m = x.size(0), mp = std::max<int64_t>(16, (m + 15) / 16 * 16);
   Weight w{fmt, n, np, kp, 0, codes.data_ptr(), scale.data_ptr(), nullptr};
   if (fmt == kInt8) {
     TORCH_CHECK(codes.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat && scale.numel() == np,
@@ -277,28 +371,38 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
       w.zero = zero->data_ptr();
     }
   }
-  // The A operands: zero padded rows and K, reused across calls (no per-call page faults).
-  thread_local std::vector<uint16_t> abuf;
-  const bool split = x.scalar_type() == at::kFloat;
-  const size_t need = size_t(mp * kp) * (split ? 2 : 1);
-  if (abuf.size() < need) abuf.resize(need);
-  std::fill(abuf.begin(), abuf.begin() + need, 0);
-  uint16_t* a_hi = abuf.data();
-  uint16_t* a_lo = split ? a_hi + mp * kp : nullptr;
-  pack_a(x, m, k, kp, a_hi, a_lo);
-  auto out = at::empty({m, n}, x.options());
-  void* outp = out.data_ptr();
-  const at::ScalarType dtype = x.scalar_type();
-  // float32 activations also take the weight's remainder where W is not exact in bf16.
-  const bool w_lo = split && (fmt == kQ8_0 || fmt == kInt4 || (fmt == kBf16 && w.zero));
-  at::parallel_for(0, nbk / 2, 1, [&](int64_t p0, int64_t p1) {
-    thread_local std::vector<uint16_t> bbuf;
-    if (bbuf.size() < size_t(kb * 4 * 512)) bbuf.resize(kb * 4 * 512);
-    configure_tiles();
-    for (int64_t p = p0; p < p1; ++p) column_pair(w, p, a_hi, a_lo, w_lo, m, mp, bbuf.data(), outp, dtype);
-    _tile_release();
-  });
-  return out;
+  return run(x, w, nbk);
+}
+
+// GGUF K-quant and Q5 weights (the KQ format above): kind 0 Q5_0, 1 Q5_1, 2 Q4_K / Q5_K, 3 Q6_K.
+at::Tensor kqgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& planes, const at::Tensor& sup,
+                  const c10::optional<at::Tensor>& sub, int64_t kind, int64_t n, int64_t k) {
+  TORCH_CHECK(amx_permitted(), "tessera_qgemm: the kernel did not get AMX tile state from the OS");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.is_contiguous(), "tessera_qgemm: x must be contiguous [M, ", k, "]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "tessera_qgemm: x bf16 or fp32");
+  TORCH_CHECK(codes.dim() == 4 && codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.size(2) == 16 &&
+                  codes.size(3) == 16, "tessera_qgemm.kq: codes must be uint8 nibble tiles [Nb, Kb, 16, 16]");
+  const int64_t nbk = codes.size(0), kb = codes.size(1), np = nbk * 16, kp = kb * 32;
+  TORCH_CHECK(nbk % 2 == 0 && np >= n && kp == k, "tessera_qgemm.kq: tiles do not fit [", n, ", ", k, "]");
+  TORCH_CHECK(kind >= kQ5_0 && kind <= kQ6_K, "tessera_qgemm.kq: unknown kind ", kind);
+  TORCH_CHECK(planes.scalar_type() == at::kInt && planes.is_contiguous() && planes.dim() == 4 &&
+                  planes.size(0) == nbk && planes.size(1) == kb && planes.size(2) == 16 && planes.size(3) <= 2,
+              "tessera_qgemm.kq: planes must be int32 [Nb, Kb, 16, P <= 2]");
+  const int64_t fields = (kind == kQ5_1 || kind == kQK) ? 2 : 1;
+  TORCH_CHECK(sup.scalar_type() == at::kHalf && sup.is_contiguous() && sup.dim() == 4 && sup.size(0) == nbk &&
+                  sup.size(2) == fields && sup.size(3) == 16 && kb % sup.size(1) == 0,
+              "tessera_qgemm.kq: sup must be float16 [Nb, S, ", fields, ", 16] with S dividing K / 32");
+  const bool has_sub = kind == kQK || kind == kQ6_K;
+  TORCH_CHECK(!has_sub || (sub.has_value() && sub->is_contiguous() && sub->element_size() == 1 &&
+                           sub->numel() == nbk * kb * 32),
+              "tessera_qgemm.kq: Q4_K/Q5_K/Q6_K need sub, 1-byte [Nb, Kb, 2, 16]");
+  Weight w{kKQ, n, np, kp, sup.size(1), codes.data_ptr(), sup.data_ptr(), nullptr};
+  w.planes = planes.data_ptr<int32_t>();
+  w.nplanes = planes.size(3);
+  w.kind = kind;
+  w.sup_fields = fields;
+  w.sub = has_sub ? sub->data_ptr() : nullptr;
+  return run(x, w, nbk);
 }
 
 // ---- W8A8: int8 x int8 on AMX (TDPBSSD), exact int32 sums -----------------------------------
@@ -362,9 +466,11 @@ at::Tensor w8a8(const at::Tensor& qx, const at::Tensor& codes, int64_t n) {
 TORCH_LIBRARY(tessera_qgemm, lib) {
   lib.def("qgemm(Tensor x, Tensor codes, Tensor scale, Tensor? zero, int fmt, int n, int k) -> Tensor");
   lib.def("w8a8(Tensor qx, Tensor codes, int n) -> Tensor");
+  lib.def("kqgemm(Tensor x, Tensor codes, Tensor planes, Tensor sup, Tensor? sub, int kind, int n, int k) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tessera_qgemm, CPU, lib) {
   lib.impl("qgemm", &qgemm);
   lib.impl("w8a8", &w8a8);
+  lib.impl("kqgemm", &kqgemm);
 }
