@@ -37,6 +37,7 @@ HERE = Path(__file__).resolve().parent
 RUNNERS = HERE / "competitors"
 sys.path.insert(0, str(HERE))
 
+from machine import cpu_name  # noqa: E402
 from throughput import make_prompts  # noqa: E402  (benchmarks/ is not a package)
 
 COMPETITORS = Path(os.environ.get("TESSERA_COMPETITORS", "/work/competitors"))
@@ -173,7 +174,7 @@ def print_table(results: dict[str, dict], args) -> None:
     base = results.get("tessera", {})
     print(f"\n{args.model}, --dtype {args.dtype}; (a) {args.num_requests} requests x {args.input_len} in x "
           f"{args.output_len} out; (b) one {args.input_len}-token request, {args.output_len} out; "
-          f"{args.threads} threads, {os.cpu_count()} cores, {_cpu_name()}")
+          f"{args.threads} threads, {os.cpu_count()} cores, {cpu_name()}")
     head = (f"{'engine':15s} {'(a) s':>7s} {'out tok/s':>9s} {'vs tessera':>10s} {'prefill s':>9s} {'(b) TTFT ms':>11s} "
             f"{'decode tok/s':>12s} {'same':>4s}  weights")
     print(head)
@@ -282,7 +283,7 @@ def main() -> None:
 
     # The roofs of this run's floors, measured now, before any engine loads.
     machine = measure_machine(getattr(torch, args.dtype), args.threads)
-    print(f"machine: {_cpu_name()}, {os.cpu_count()} cores; {machine['gemm_dtype']} GEMM 2048^3 "
+    print(f"machine: {cpu_name()}, {os.cpu_count()} cores; {machine['gemm_dtype']} GEMM 2048^3 "
           f"{machine['gemm_flops'] / 1e12:.2f} TFLOP/s, copy {machine['copy_bytes_per_s'] / 1e9:.1f} GB/s, "
           f"sum {machine['read_bytes_per_s'] / 1e9:.1f} GB/s ({args.threads} threads)", flush=True)
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="compare-workload-") as f:
@@ -315,7 +316,7 @@ def main() -> None:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps({
         "workload": _described(workload),
-        "machine": {"cpus": os.cpu_count(), "cpu": _cpu_name(), "flags": _cpu_flags()},
+        "machine": {"cpus": os.cpu_count(), "cpu": cpu_name(), "flags": _cpu_flags()},
         "results": results,
     }, indent=2))
     print(f"\nwrote {out_path}")
@@ -335,18 +336,6 @@ def _gguf_type(files) -> str:
     if ft is None:
         return "GGUF"
     return LlamaFileType(int(ft.contents())).name.removeprefix("MOSTLY_")
-
-
-def _cpu_name() -> str:
-    """`model name` and `model` of /proc/cpuinfo: "Intel(R) Xeon(R) Processor model 207"."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        return "?"
-    return f"{fields.get('model name', '?')} model {fields.get('model', '?')}"
 
 
 def _cpu_flags() -> list[str]:

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+
+from machine import cpu_name  # benchmarks/ is the script's folder
 
 from tessera.bench.datasets import random_token_prompts
 from tessera.config import DEFAULT_MODEL, EngineConfig
@@ -117,19 +118,9 @@ def run(args: argparse.Namespace) -> dict:
         "sampling": args.sampling,
         "stop": args.stop,
         "decode_steps_measured": len(rows),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "phases": table,
     }
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -47,6 +47,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from machine import cpu_name  # noqa: E402
 from throughput import make_prompts  # noqa: E402
 
 SHAREGPT = {"prompt_mean": 161.31, "output_mean": 337.99, "sigma": 1.0,
@@ -228,15 +229,9 @@ def main() -> None:
     print("(tessera is: the engine's time over Tessera's, i.e. how many times faster Tessera is; computed/useful: "
           "output tokens decoded (padding to the batch's longest output included) over those asked for)")
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps({"workload": described, "machine": {"cpu": _cpu(), "cpus": os.cpu_count()},
+    out_path.write_text(json.dumps({"workload": described, "machine": {"cpu": cpu_name(), "cpus": os.cpu_count()},
                                     "results": results, "summary": table}, indent=2))
     print(f"wrote {out_path}")
-
-
-def _cpu() -> str:
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in info.splitlines()[:30])}
-    return f"{fields.get('model name', '?')} model {fields.get('model', '?')}"
 
 
 if __name__ == "__main__":

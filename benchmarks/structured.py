@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from machine import cpu_name  # benchmarks/ is the script's folder
 
 from tessera.config import DEFAULT_MODEL, EngineConfig
 from tessera.engine.engine import LLMEngine
@@ -35,13 +35,6 @@ SCHEMA = {"type": "object", "properties": {"notes": {"type": "array", "items": {
 OTHER_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                                  "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}}},
                 "required": ["name", "age"]}
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def decode_step_times(engine: LLMEngine, batch: int, constrained: bool, steps: int) -> list[float]:
