@@ -13,7 +13,10 @@
 //   once for all its query heads (GQA) and tokens;
 // - K tiles are transposed (kT[d][key]) so one FMA scores 16 keys; a row's score is 8 FMA
 //   chains over d (d = 8i + l, chain l) summed in a fixed tree, whichever rows share the tile;
-// - two query heads of one token share every kT and V load (same FMAs per row as alone);
+// - a tile's keys are converted and transposed in registers (bf16: one 32-bit word transpose
+//   per 32 d, the word's halves are d and d + 1), values converted as P.V reads them (bf16:
+//   even/odd halves of each 32 d, the accumulator order restored at the end);
+// - up to three query heads of one token share every kT and V load (same FMAs per row as alone);
 // - work items are ordered by cost and pulled from a shared counter: the split over threads
 //   changes only who computes a row, not how.
 // Sliding windows: a row at position p reads keys [p - window + 1, p] only; tiles wholly behind
@@ -57,7 +60,9 @@ inline v16f load16(const float* p) {
   return v;
 }
 inline void store16(float* p, v16f v) { std::memcpy(p, &v, 64); }
-inline v16f splat(float x) { return (v16f){} + x; }
+inline v16f splat(float x) {  // a broadcast (not 0 + x: that costs an add per use and turns -0 into +0)
+  return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+}
 
 inline v16f fma16(v16f a, v16f b, v16f c) {
 #if defined(__AVX512F__)
@@ -276,16 +281,6 @@ inline void load_k_tile_bf16(const at::BFloat16* kc, const int64_t* off, float* 
 template <typename C, int D>
 constexpr bool kPairedBf16 = std::is_same_v<C, at::BFloat16> && D % 32 == 0;
 
-// Software prefetch of the cache rows of the next tile (its blocks are anywhere in the cache,
-// so the hardware prefetcher cannot guess them): every 64-byte line of `bytes` at each row.
-inline void prefetch_rows(const char* base, const int64_t* row, int n, int64_t bytes) {
-  for (int j = 0; j < n; ++j) {
-    if (row[j] < 0) continue;
-    const char* at = base + row[j] * bytes;
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(at + b, 0, 3);
-  }
-}
-
 // ---- one tile's arithmetic for NR query rows (NR = 1..3: query heads of one token, so they
 // share a valid key range). A row's operations do not depend on NR: grouping only shares loads.
 
@@ -414,8 +409,7 @@ inline void attend_rows(Workspace& ws, int64_t r, const float* kT, const C* vc, 
 }
 
 // One work item: tq tokens of the sequence whose block table is `table` (rows t * H + head of
-// ws.q, already fp32 and scaled), all KV heads: a tile's K/V rows are read once (the next
-// tile's prefetched meanwhile), and each KV head's keys are converted and transposed once for
+// ws.q, already fp32 and scaled), all KV heads: a tile's K/V rows are read once, and each KV head's keys are converted and transposed once for
 // its g query heads and all tq tokens. Leaves acc and den in ws.
 template <typename C, int D>
 void attend_item(const Problem& pb, const int32_t* table, const int32_t* ctx, int tq, Workspace& ws) {
@@ -448,17 +442,12 @@ void attend_item(const Problem& pb, const int32_t* table, const int32_t* ctx, in
       slots[j] = pos < lo_all || pos >= hi_all ? -1 : static_cast<int64_t>(table[pos / bs]) * bs + pos % bs;
     }
   };
-  int64_t slots[kLanes], next[kLanes], off[kLanes];
+  // (A software prefetch of the next tile's rows measured slower here: the rows are L3-resident
+  // at these sizes and the prefetches queued behind the demand loads.)
+  int64_t slots[kLanes], off[kLanes];
   float kscale[kLanes], vscale[kLanes];
-  const int64_t first = lo_all / kLanes * kLanes;
-  tile_slots(first, next);
-  for (int64_t start = first; start < hi_all; start += kLanes) {
-    std::memcpy(slots, next, sizeof(slots));
-    if (start + kLanes < hi_all) {
-      tile_slots(start + kLanes, next);
-      prefetch_rows(static_cast<const char*>(pb.k), next, kLanes, row_stride * sizeof(C));
-      prefetch_rows(static_cast<const char*>(pb.v), next, kLanes, row_stride * sizeof(C));
-    }
+  for (int64_t start = lo_all / kLanes * kLanes; start < hi_all; start += kLanes) {
+    tile_slots(start, slots);
     for (int64_t kvh = 0; kvh < hkv; ++kvh) {
       for (int j = 0; j < kLanes; ++j) {
         off[j] = slots[j] < 0 ? -1 : slots[j] * row_stride + kvh * D;
