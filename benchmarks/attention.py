@@ -58,17 +58,19 @@ def decode_metadata(batch: int, context: int, block_size: int, num_blocks: int, 
                     gen: torch.Generator) -> AttentionMetadata:
     per_seq = -(-context // block_size)
     free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    rows = []
+    rows, tables = [], []
     for i in range(batch):
         table = free[i * per_seq : (i + 1) * per_seq]
         if window is not None:  # blocks behind every window are released (block 0), as the scheduler does
             first_live = max(0, context - window) // block_size
             table = [0] * first_live + table[first_live:]
         rows.append(slots_for_positions(table, 0, context, block_size))
+        tables.append(table)
     slots = torch.tensor(rows, dtype=torch.long)
     return AttentionMetadata(slot_mapping=slots[:, -1].clone(), num_decode_tokens=batch, decode_slots=slots,
                              decode_mask=torch.ones(batch, 1, 1, context, dtype=torch.bool), prefills=[],
-                             block_size=block_size)
+                             block_size=block_size, decode_block_tables=torch.tensor(tables, dtype=torch.long),
+                             decode_context_lens=torch.full((batch,), context, dtype=torch.long))
 
 
 def main() -> None:

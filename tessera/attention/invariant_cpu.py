@@ -35,31 +35,46 @@ class _KernelPlan:
 
 
 def _kernel_plan(metadata: AttentionMetadata) -> _KernelPlan:
-    """Block tables recovered from the metadata's slots (the first slot of each block, // block
-    size), and each token's table row and context length."""
+    """The kernel's tables, once per step: the decodes' block tables and context lengths as the
+    model runner built them (else one tensor op each from the slots), then one table row per
+    prefill span. A handful of tensor ops whatever the batch size."""
     block_size = metadata.block_size
-    tables: list[torch.Tensor] = []
+    parts: list[torch.Tensor] = []  # 2-D block-table pieces, stacked in row order
     rows: list[torch.Tensor] = []
     ctxs: list[torch.Tensor] = []
     num_decodes = metadata.num_decode_tokens
     if num_decodes:
-        slots = metadata.decode_slots
-        tables.extend(slots[:, ::block_size] // block_size)
+        if metadata.decode_block_tables is not None and metadata.decode_context_lens is not None:
+            parts.append(metadata.decode_block_tables)
+            ctxs.append(metadata.decode_context_lens.to(torch.int32))
+        else:
+            slots = metadata.decode_slots
+            parts.append(slots[:, ::block_size] // block_size)
+            mask = metadata.decode_mask
+            ctxs.append(mask.reshape(num_decodes, -1).sum(-1, dtype=torch.int32) if mask is not None
+                        else torch.full((num_decodes,), slots.shape[1], dtype=torch.int32))
         rows.append(torch.arange(num_decodes, dtype=torch.int32))
-        mask = metadata.decode_mask
-        ctxs.append(mask.reshape(num_decodes, -1).sum(-1, dtype=torch.int32) if mask is not None
-                    else torch.full((num_decodes,), slots.shape[1], dtype=torch.int32))
+    num_rows = num_decodes
     for span in metadata.prefills:
-        row = len(tables)
-        tables.append(span.context_slots[: span.context_len : block_size] // block_size)
-        rows.append(torch.full((span.query_len,), row, dtype=torch.int32))
+        table = (span.block_table if span.block_table is not None
+                 else span.context_slots[: span.context_len : block_size] // block_size)
+        rows.append(torch.full((span.query_len,), num_rows, dtype=torch.int32))
+        parts.append(table.view(1, -1))
+        num_rows += 1
         first = span.context_len - span.query_len + 1
         ctxs.append(torch.arange(first, first + span.query_len, dtype=torch.int32))
-    width = max(t.numel() for t in tables)
-    table = torch.zeros(len(tables), width, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        table[i, : t.numel()] = t
-    return _KernelPlan(metadata, table, torch.cat(rows), torch.cat(ctxs))
+    if len(parts) == 1:
+        table = parts[0].to(torch.int32).contiguous()
+    else:
+        width = max(t.shape[1] for t in parts)
+        table = torch.zeros(num_rows, width, dtype=torch.int32)
+        at = 0
+        for t in parts:
+            table[at : at + t.shape[0], : t.shape[1]] = t
+            at += t.shape[0]
+    return _KernelPlan(metadata, table,
+                       rows[0] if len(rows) == 1 else torch.cat(rows),
+                       ctxs[0] if len(ctxs) == 1 else torch.cat(ctxs))
 
 
 class InvariantCPUAttention(TorchCPUAttention):

@@ -34,6 +34,9 @@ class PrefillSpan:
     query_len: int
     context_len: int  # tokens of context after this step's tokens are written (incl. the chunk)
     context_slots: torch.Tensor  # [context_len] long: cache slot of each context position
+    # The sequence's blocks covering the context ([ceil(context_len / block_size)] long), for
+    # backends that walk block tables; None = derive them from context_slots.
+    block_table: torch.Tensor | None = None
 
 
 @dataclass
@@ -50,6 +53,11 @@ class AttentionMetadata:
     # Tokens per KV block, for backends that walk block tables (the invariant kernel derives
     # them from the slots); None = unknown, such backends fall back to the slot gathers.
     block_size: int | None = None
+    # The decodes' block tables ([num_decodes, max_blocks] long, padded with block 0) and context
+    # lengths ([num_decodes] long), as the model runner built them; None = derive them from
+    # decode_slots / decode_mask (one tensor op each, but the runner has them already).
+    decode_block_tables: torch.Tensor | None = None
+    decode_context_lens: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -72,6 +80,6 @@ def single_sequence_metadata(num_tokens: int, block_size: int = 16, first_block:
         num_decode_tokens=0,
         decode_slots=None,
         decode_mask=None,
-        prefills=[PrefillSpan(0, num_tokens, num_tokens, slots)],
+        prefills=[PrefillSpan(0, num_tokens, num_tokens, slots, torch.tensor(table, dtype=torch.long))],
         block_size=block_size,
     )

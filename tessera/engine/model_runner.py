@@ -84,7 +84,7 @@ class ModelRunner:
 
         # Decodes: one token each, at position num_computed_tokens (the last token).
         decode_seqs = [seq for seq, _ in scheduled[:num_decodes]]
-        decode_slots = decode_mask = None
+        decode_slots = decode_mask = tables = lens = None
         decode_shared_len = 0
         slot_parts: list[torch.Tensor] = []
         if decode_seqs:
@@ -122,7 +122,7 @@ class ModelRunner:
             table = torch.tensor(seq.block_table[: (end + bs - 1) // bs], dtype=torch.long)
             context_slots = (table.unsqueeze(-1) * bs + self._block_offsets).view(-1)[:end]
             slot_parts.append(context_slots[start:end])
-            prefills.append(PrefillSpan(query_start, n, end, context_slots))
+            prefills.append(PrefillSpan(query_start, n, end, context_slots, table))
             if proposal:
                 sample_rows.extend(range(query_start, query_start + n))
                 sample_seqs.extend([seq] * n)
@@ -138,6 +138,8 @@ class ModelRunner:
             prefills=prefills,
             decode_shared_len=decode_shared_len,
             block_size=bs,
+            decode_block_tables=tables,
+            decode_context_lens=lens,
         )
         return StepInput(
             input_ids=torch.tensor(input_ids, dtype=torch.long),

@@ -13,7 +13,10 @@
 //   once for all its query heads (GQA) and tokens;
 // - K tiles are transposed (kT[d][key]) so one FMA scores 16 keys; a row's score is 8 FMA
 //   chains over d (d = 8i + l, chain l) summed in a fixed tree, whichever rows share the tile;
-// - two query heads of one token share every kT and V load (same FMAs per row as alone);
+// - a tile's keys are converted and transposed in registers (bf16: one 32-bit word transpose
+//   per 32 d, the word's halves are d and d + 1), values converted as P.V reads them (bf16:
+//   even/odd halves of each 32 d, the accumulator order restored at the end);
+// - up to three query heads of one token share every kT and V load (same FMAs per row as alone);
 // - work items are ordered by cost and pulled from a shared counter: the split over threads
 //   changes only who computes a row, not how.
 // Sliding windows: a row at position p reads keys [p - window + 1, p] only; tiles wholly behind
@@ -37,6 +40,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -56,7 +60,9 @@ inline v16f load16(const float* p) {
   return v;
 }
 inline void store16(float* p, v16f v) { std::memcpy(p, &v, 64); }
-inline v16f splat(float x) { return (v16f){} + x; }
+inline v16f splat(float x) {  // a broadcast (not 0 + x: that costs an add per use and turns -0 into +0)
+  return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+}
 
 inline v16f fma16(v16f a, v16f b, v16f c) {
 #if defined(__AVX512F__)
@@ -97,10 +103,14 @@ inline float lane_sum(v16f a) {
   return b[0];
 }
 
-inline float lane_max(v16f a) {  // max is exact: any order gives the same value
-  float m = a[0];
-  for (int i = 1; i < 16; ++i) m = std::max(m, a[i]);
-  return m;
+inline float lane_max(v16f a) {  // max is exact: any order gives the same value (a tree: short latency)
+  a = a > __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)
+          ? a : __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  a = a > __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11)
+          ? a : __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  a = a > __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13)
+          ? a : __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  return std::max(a[0], a[1]);
 }
 
 // exp on 16 lanes, the same arithmetic in every call: 2^n times a degree-6 polynomial of the
@@ -125,71 +135,73 @@ inline v16f softmax_exp(v16f x) {
   return x > -87.0f ? e : (v16f){};
 }
 
-// ---- cache rows to fp32 (exact conversions; quantized codes times their scale)
-
-template <typename C>
-inline void row_to_f32(const C* src, float* dst, int d, float scale, bool scaled);
-
-template <>
-inline void row_to_f32<float>(const float* src, float* dst, int d, float, bool) {
-  std::memcpy(dst, src, sizeof(float) * d);
-}
+// ---- 16 cache elements to fp32 in a register (exact conversions; quantized codes times their
+// scale). Read straight from the cache row: no fp32 staging copy of the tile.
 
 typedef uint16_t v16u16 __attribute__((vector_size(32), aligned(2)));
 typedef int8_t v16i8 __attribute__((vector_size(16), aligned(1)));
 typedef uint8_t v16u8 __attribute__((vector_size(16), aligned(1)));
 typedef uint32_t v16u __attribute__((vector_size(64), aligned(4)));
 
-// bf16 -> fp32 is a 16-bit shift, 16 at a time (explicit vectors: the compiler cannot prove
-// the rows do not overlap and would leave a plain loop scalar).
+template <typename C>
+inline v16f load_f32(const C* src, float scale);
+
 template <>
-inline void row_to_f32<at::BFloat16>(const at::BFloat16* src, float* dst, int d, float, bool) {
-  for (int i = 0; i < d; i += 16) {
-    v16u16 h;
-    std::memcpy(&h, src + i, 32);
-    const v16u bits = __builtin_convertvector(h, v16u) << 16;
-    std::memcpy(dst + i, &bits, 64);
-  }
+inline v16f load_f32<float>(const float* src, float) {
+  return load16(src);
+}
+
+// bf16 -> fp32 is a 16-bit shift.
+template <>
+inline v16f load_f32<at::BFloat16>(const at::BFloat16* src, float) {
+  v16u16 h;
+  std::memcpy(&h, src, 32);
+  const v16u bits = __builtin_convertvector(h, v16u) << 16;
+  v16f v;
+  std::memcpy(&v, &bits, 64);
+  return v;
 }
 
 template <>
-inline void row_to_f32<at::Half>(const at::Half* src, float* dst, int d, float, bool) {
-  for (int i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]);
+inline v16f load_f32<at::Half>(const at::Half* src, float) {
+#if defined(__AVX512F__)
+  return (v16f)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+#else
+  v16f v;
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(src[i]);
+  return v;
+#endif
 }
 
 template <>
-inline void row_to_f32<int8_t>(const int8_t* src, float* dst, int d, float scale, bool) {
-  for (int i = 0; i < d; i += 16) {
-    v16i8 c;
-    std::memcpy(&c, src + i, 16);
-    store16(dst + i, __builtin_convertvector(c, v16f) * scale);
-  }
+inline v16f load_f32<int8_t>(const int8_t* src, float scale) {
+  v16i8 c;
+  std::memcpy(&c, src, 16);
+  return __builtin_convertvector(c, v16f) * scale;
 }
 
 // float8_e4m3fn: s eeee mmm, bias 7, no infinities; subnormals (e = 0) are m * 2^-9. Integer
 // and select ops on 16 lanes (c10's scalar conversion gives the same values).
 template <>
-inline void row_to_f32<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* src, float* dst, int d, float scale, bool) {
-  for (int i = 0; i < d; i += 16) {
-    v16u8 c;
-    std::memcpy(&c, src + i, 16);
-    const v16u x = __builtin_convertvector(c, v16u);
-    const v16u e = (x >> 3) & 15u, m = x & 7u, sign = (x & 0x80u) << 24;
-    const v16u bits = sign | ((e + 120u) << 23) | (m << 20);
-    v16f normal;
-    std::memcpy(&normal, &bits, 64);
-    v16f sub = __builtin_convertvector(m, v16f) * 0x1p-9f;
-    sub = sign != 0u ? -sub : sub;
-    const v16f v = e != 0u ? normal : sub;
-    store16(dst + i, v * scale);
-  }
+inline v16f load_f32<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* src, float scale) {
+  v16u8 c;
+  std::memcpy(&c, src, 16);
+  const v16u x = __builtin_convertvector(c, v16u);
+  const v16u e = (x >> 3) & 15u, m = x & 7u, sign = (x & 0x80u) << 24;
+  const v16u bits = sign | ((e + 120u) << 23) | (m << 20);
+  v16f normal;
+  std::memcpy(&normal, &bits, 64);
+  v16f sub = __builtin_convertvector(m, v16f) * 0x1p-9f;
+  sub = sign != 0u ? -sub : sub;
+  const v16f v = e != 0u ? normal : sub;
+  return v * scale;
 }
 
-// dst[i][k] = src[k][i] for a 16 x 16 block (src rows `ld` floats apart, dst rows 16).
-inline void transpose16(const float* src, int64_t ld, float* dst) {
+// In place: r[i][k] becomes the old r[k][i] (a 16 x 16 block of fp32 in registers).
+inline void transpose16(v16f* rv) {
 #if defined(__AVX512F__)
   __m512 r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ld);
+  for (int i = 0; i < 16; ++i) r[i] = (__m512)rv[i];
   for (int i = 0; i < 8; ++i) {
     t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
     t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
@@ -207,18 +219,70 @@ inline void transpose16(const float* src, int64_t ld, float* dst) {
     t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
   }
   for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    rv[i] = (v16f)_mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    rv[i + 8] = (v16f)_mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
   }
-  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + 16 * i, r[i]);
 #else
   for (int i = 0; i < 16; ++i)
-    for (int k = 0; k < 16; ++k) dst[i * 16 + k] = src[k * ld + i];
+    for (int k = i + 1; k < 16; ++k) std::swap(rv[i][k], rv[k][i]);
 #endif
 }
 
-// ---- one tile's arithmetic for NR query rows (NR = 1 or 2: rows of one token, so they share a
-// valid key range). A row's operations do not depend on NR: pairing only shares the loads.
+// One KV head's part of a tile: the keys converted and transposed in registers, 16 d at a time,
+// into kT[d][key]. off[j] is key j's element offset in the cache, -1 for a position no row of
+// the item reads (zeros: every row masks it).
+template <typename C, int D>
+inline void load_k_tile(const C* kc, const int64_t* off, const float* scale, float* kT) {
+  for (int c = 0; c < D; c += 16) {
+    v16f r[16];
+    for (int j = 0; j < kLanes; ++j) r[j] = off[j] < 0 ? (v16f){} : load_f32<C>(kc + off[j] + c, scale[j]);
+    transpose16(r);
+    for (int i = 0; i < 16; ++i) store16(kT + (c + i) * kLanes, r[i]);
+  }
+}
+
+// bf16 keys, head_dim a multiple of 32: a 32-bit word of a cache row is the pair (d, d + 1), so
+// one 16 x 16 word transpose serves 32 d, and each transposed word vector splits into the fp32
+// keys of d (low half << 16) and d + 1 (high half, low bits cleared). The same kT as above with
+// half the shuffles and no widening conversions.
+inline v16f bf16_lo(v16f w) {
+  v16u u;
+  std::memcpy(&u, &w, 64);
+  u <<= 16;
+  std::memcpy(&w, &u, 64);
+  return w;
+}
+inline v16f bf16_hi(v16f w) {
+  v16u u;
+  std::memcpy(&u, &w, 64);
+  u &= 0xFFFF0000u;
+  std::memcpy(&w, &u, 64);
+  return w;
+}
+
+template <int D>
+inline void load_k_tile_bf16(const at::BFloat16* kc, const int64_t* off, float* kT) {
+  static_assert(D % 32 == 0, "pairs of d");
+  for (int c = 0; c < D; c += 32) {
+    v16f r[16];
+    for (int j = 0; j < kLanes; ++j) r[j] = off[j] < 0 ? (v16f){} : load16(reinterpret_cast<const float*>(kc + off[j] + c));
+    transpose16(r);
+    for (int i = 0; i < 16; ++i) {
+      store16(kT + (c + 2 * i) * kLanes, bf16_lo(r[i]));
+      store16(kT + (c + 2 * i + 1) * kLanes, bf16_hi(r[i]));
+    }
+  }
+}
+
+// Whether C at head_dim D takes the paired-bf16 path: keys as above, and values read 32 at a
+// time as even/odd halves, so the accumulators of a row hold, per 32 d, the 16 even d then the
+// 16 odd d (unpaired_acc restores the order). Each d's arithmetic is unchanged: only the lane
+// it sits in.
+template <typename C, int D>
+constexpr bool kPairedBf16 = std::is_same_v<C, at::BFloat16> && D % 32 == 0;
+
+// ---- one tile's arithmetic for NR query rows (NR = 1..3: query heads of one token, so they
+// share a valid key range). A row's operations do not depend on NR: grouping only shares loads.
 
 // Scores of 16 keys: chain l (l = 0..7) accumulates q[d] * k[d] over d = l, l + 8, ... in
 // order (the first a product, then FMAs); the chains are summed as ((0+4)+(2+6))+((1+5)+(3+7)).
@@ -245,10 +309,15 @@ inline void score_rows(const float* const* q, const float* kT, v16f* out) {
 }
 
 // acc = acc * corr (skipped when corr is exactly 1: the same bits), then acc += p[j] * v[j] for
-// the row's valid keys j in order, 16 output lanes at a time.
-template <int D, int NR>
-inline void pv_rows(float* const* acc, const float* const* p, const float* corr, const float* vb, int j0, int j1) {
-  constexpr int kGroup = D >= 64 ? 4 : D / 16;  // output vectors kept in registers per pass
+// the row's valid keys j in order, 16 output lanes at a time; V is converted as it is read
+// (each converted vector serves all NR rows).
+template <typename C, int D, int NR>
+inline void pv_rows(float* const* acc, const float* const* p, const float* corr, const C* vc, const int64_t* off,
+                    const float* scale, int j0, int j1) {
+  constexpr int kVec = D / 16;  // output vectors kept in registers per pass: all of a row if they fit
+  constexpr int kGroup = kVec * NR <= 20 ? kVec : (kVec % 4 == 0 ? 4 : (kVec % 2 == 0 ? 2 : 1));
+  static_assert(kVec % kGroup == 0, "pv_rows: passes must cover head_dim exactly");
+  static_assert(!kPairedBf16<C, D> || kGroup % 2 == 0, "pv_rows: paired bf16 passes take whole pairs");
   for (int c = 0; c < D; c += 16 * kGroup) {
     v16f a[NR][kGroup];
     for (int r = 0; r < NR; ++r)
@@ -257,10 +326,21 @@ inline void pv_rows(float* const* acc, const float* const* p, const float* corr,
         if (corr[r] != 1.f) a[r][u] = a[r][u] * corr[r];
       }
     for (int j = j0; j < j1; ++j) {
-      const float* vrow = vb + j * D + c;
-      for (int u = 0; u < kGroup; ++u) {
-        const v16f v = load16(vrow + 16 * u);
-        for (int r = 0; r < NR; ++r) a[r][u] = fma16(splat(p[r][j]), v, a[r][u]);
+      const C* vrow = vc + off[j] + c;
+      if constexpr (kPairedBf16<C, D>) {
+        for (int u = 0; u < kGroup; u += 2) {
+          const v16f w = load16(reinterpret_cast<const float*>(vrow + 16 * u));
+          const v16f ve = bf16_lo(w), vo = bf16_hi(w);
+          for (int r = 0; r < NR; ++r) {
+            a[r][u] = fma16(splat(p[r][j]), ve, a[r][u]);
+            a[r][u + 1] = fma16(splat(p[r][j]), vo, a[r][u + 1]);
+          }
+        }
+      } else {
+        for (int u = 0; u < kGroup; ++u) {
+          const v16f v = load_f32<C>(vrow + 16 * u, scale[j]);
+          for (int r = 0; r < NR; ++r) a[r][u] = fma16(splat(p[r][j]), v, a[r][u]);
+        }
       }
     }
     for (int r = 0; r < NR; ++r)
@@ -284,7 +364,7 @@ inline float softmax_step(v16f s, int j0, int j1, float& mx, float& den, float* 
 }
 
 struct Workspace {
-  std::vector<float> q, acc, mx, den, krow, kT, vb, p;
+  std::vector<float> q, acc, mx, den, kT, p;
 };
 
 struct Problem {
@@ -297,9 +377,40 @@ struct Problem {
   int g;
 };
 
+// Per 32 values: 16 even d then 16 odd d -> d order (n a multiple of 32).
+inline void unpair_acc(float* acc, int64_t n) {
+  for (int64_t c = 0; c < n; c += 32) {
+    const v16f e = load16(acc + c), o = load16(acc + c + 16);
+    const v16f lo = __builtin_shufflevector(e, o, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const v16f hi = __builtin_shufflevector(e, o, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    store16(acc + c, lo);
+    store16(acc + c + 16, hi);
+  }
+}
+
+// NR query heads (rows r, r + 1, ... of ws) of one token against one KV head's tile.
+template <typename C, int D, int NR>
+inline void attend_rows(Workspace& ws, int64_t r, const float* kT, const C* vc, const int64_t* off,
+                        const float* vscale, int j0, int j1) {
+  const float* qr[NR];
+  float* ar[NR];
+  float* pr[NR];
+  const float* pc[NR];
+  v16f sc[NR];
+  float corr[NR];
+  for (int u = 0; u < NR; ++u) {
+    qr[u] = ws.q.data() + (r + u) * D;
+    ar[u] = ws.acc.data() + (r + u) * D;
+    pc[u] = pr[u] = ws.p.data() + u * kLanes;
+  }
+  score_rows<D, NR>(qr, kT, sc);
+  for (int u = 0; u < NR; ++u) corr[u] = softmax_step(sc[u], j0, j1, ws.mx[r + u], ws.den[r + u], pr[u]);
+  pv_rows<C, D, NR>(ar, pc, corr, vc, off, vscale, j0, j1);
+}
+
 // One work item: tq tokens of the sequence whose block table is `table` (rows t * H + head of
-// ws.q, already fp32 and scaled), all KV heads: a tile's K/V rows are read once, contiguously
-// (slot-major), and each KV head's part serves its g query heads. Leaves acc and den in ws.
+// ws.q, already fp32 and scaled), all KV heads: a tile's K/V rows are read once, and each KV head's keys are converted and transposed once for
+// its g query heads and all tq tokens. Leaves acc and den in ws.
 template <typename C, int D>
 void attend_item(const Problem& pb, const int32_t* table, const int32_t* ctx, int tq, Workspace& ws) {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
@@ -308,10 +419,8 @@ void attend_item(const Problem& pb, const int32_t* table, const int32_t* ctx, in
   ws.acc.assign(static_cast<size_t>(rows) * D, 0.f);
   ws.mx.assign(rows, -std::numeric_limits<float>::infinity());
   ws.den.assign(rows, 0.f);
-  ws.krow.resize(static_cast<size_t>(kLanes) * D);
   ws.kT.resize(static_cast<size_t>(D) * kLanes);
-  ws.vb.resize(static_cast<size_t>(kLanes) * D);
-  ws.p.resize(2 * kLanes);
+  ws.p.resize(3 * kLanes);
   const C* kc = static_cast<const C*>(pb.k);
   const C* vc = static_cast<const C*>(pb.v);
   const bool scaled = pb.k_scales != nullptr;
@@ -325,61 +434,43 @@ void attend_item(const Problem& pb, const int32_t* table, const int32_t* ctx, in
     lo_all = std::min(lo_all, lo[t]);
     hi_all = std::max(hi_all, hi[t]);
   }
-  float* krow = ws.krow.data();
   float* kT = ws.kT.data();
-  float* vb = ws.vb.data();
-  int64_t slots[kLanes];
-  auto slot_of = [&](int64_t pos) { return static_cast<int64_t>(table[pos / bs]) * bs + pos % bs; };
-  for (int64_t start = lo_all / kLanes * kLanes; start < hi_all; start += kLanes) {
-    // The positions some token of the item reads (never one behind every window): -1 = none.
+  // slots[j] of the tile's positions some token reads (never one behind every window), -1 = none.
+  auto tile_slots = [&](int64_t start, int64_t* slots) {
     for (int j = 0; j < kLanes; ++j) {
       const int64_t pos = start + j;
-      slots[j] = pos < lo_all || pos >= hi_all ? -1 : slot_of(pos);
+      slots[j] = pos < lo_all || pos >= hi_all ? -1 : static_cast<int64_t>(table[pos / bs]) * bs + pos % bs;
     }
+  };
+  // (A software prefetch of the next tile's rows measured slower here: the rows are L3-resident
+  // at these sizes and the prefetches queued behind the demand loads.)
+  int64_t slots[kLanes], off[kLanes];
+  float kscale[kLanes], vscale[kLanes];
+  for (int64_t start = lo_all / kLanes * kLanes; start < hi_all; start += kLanes) {
+    tile_slots(start, slots);
     for (int64_t kvh = 0; kvh < hkv; ++kvh) {
       for (int j = 0; j < kLanes; ++j) {
-        if (slots[j] < 0) {
-          std::memset(krow + j * D, 0, sizeof(float) * D);
-          std::memset(vb + j * D, 0, sizeof(float) * D);
-          continue;
-        }
-        const int64_t at = slots[j] * row_stride + kvh * D;
-        const float ks = scaled ? pb.k_scales[slots[j] * hkv + kvh] : 1.f;
-        const float vs = scaled ? pb.v_scales[slots[j] * hkv + kvh] : 1.f;
-        row_to_f32<C>(kc + at, krow + j * D, D, ks, scaled);
-        row_to_f32<C>(vc + at, vb + j * D, D, vs, scaled);
+        off[j] = slots[j] < 0 ? -1 : slots[j] * row_stride + kvh * D;
+        kscale[j] = scaled && slots[j] >= 0 ? pb.k_scales[slots[j] * hkv + kvh] : 1.f;
+        vscale[j] = scaled && slots[j] >= 0 ? pb.v_scales[slots[j] * hkv + kvh] : 1.f;
       }
-      for (int c = 0; c < D; c += 16) transpose16(krow + c, D, kT + c * kLanes);
+      if constexpr (kPairedBf16<C, D>)
+        load_k_tile_bf16<D>(kc, off, kT);
+      else
+        load_k_tile<C, D>(kc, off, kscale, kT);
       for (int t = 0; t < tq; ++t) {
         const int j0 = static_cast<int>(std::max<int64_t>(lo[t] - start, 0));
         const int j1 = static_cast<int>(std::min<int64_t>(hi[t] - start, kLanes));
         if (j0 >= j1) continue;
-        for (int h = 0; h < g;) {
-          const int64_t r = t * heads + kvh * g + h;
-          v16f sc[2];
-          float corr[2];
-          float* pr[2] = {ws.p.data(), ws.p.data() + kLanes};
-          if (h + 1 < g) {
-            const float* qr[2] = {ws.q.data() + r * D, ws.q.data() + (r + 1) * D};
-            float* ar[2] = {ws.acc.data() + r * D, ws.acc.data() + (r + 1) * D};
-            score_rows<D, 2>(qr, kT, sc);
-            for (int u = 0; u < 2; ++u) corr[u] = softmax_step(sc[u], j0, j1, ws.mx[r + u], ws.den[r + u], pr[u]);
-            const float* pc[2] = {pr[0], pr[1]};
-            pv_rows<D, 2>(ar, pc, corr, vb, j0, j1);
-            h += 2;
-          } else {
-            const float* qr[1] = {ws.q.data() + r * D};
-            float* ar[1] = {ws.acc.data() + r * D};
-            score_rows<D, 1>(qr, kT, sc);
-            corr[0] = softmax_step(sc[0], j0, j1, ws.mx[r], ws.den[r], pr[0]);
-            const float* pc[1] = {pr[0]};
-            pv_rows<D, 1>(ar, pc, corr, vb, j0, j1);
-            h += 1;
-          }
-        }
+        const int64_t r0 = t * heads + kvh * g;
+        int h = 0;
+        for (; h + 3 <= g; h += 3) attend_rows<C, D, 3>(ws, r0 + h, kT, vc, off, vscale, j0, j1);
+        if (g - h == 2) attend_rows<C, D, 2>(ws, r0 + h, kT, vc, off, vscale, j0, j1);
+        if (g - h == 1) attend_rows<C, D, 1>(ws, r0 + h, kT, vc, off, vscale, j0, j1);
       }
     }
   }
+  if constexpr (kPairedBf16<C, D>) unpair_acc(ws.acc.data(), rows * D);
 }
 
 using AttendFn = void (*)(const Problem&, const int32_t*, const int32_t*, int, Workspace&);
