@@ -219,9 +219,12 @@ def run_shape(shape: str, model: str, info, probe: StepCosts, costs_by_mode: dic
     runs = [("grid", label(cfg), cfg) for cfg in grid(args.grid, quant)]
     runs += [("advised", label(advised), advised), ("autopilot", "autopilot from " + label(DEFAULTS), DEFAULTS)]
     # A shuffled order, and with --repeats the best of several passes: on a shared machine a
-    # burst of someone else's work must not land on the same configurations every time.
-    rng = random.Random(args.seed)
+    # burst of someone else's work must not land on the same configurations every time. The
+    # order has its own seed: with the trace's, every run of a command put the autopilot first.
+    rng = random.Random(args.seed if args.order_seed is None else args.order_seed)
     order = [i for _ in range(args.repeats) for i in rng.sample(range(len(runs)), len(runs))]
+    print(f"   [{shape}] order: " + ", ".join(runs[i][0] if runs[i][0] != "grid" else runs[i][1] for i in order),
+          file=sys.stderr, flush=True)
     rows: list[dict | None] = [None] * len(runs)
     for i in order:
         kind, name, cfg = runs[i]
@@ -251,7 +254,7 @@ def run_shape(shape: str, model: str, info, probe: StepCosts, costs_by_mode: dic
         r["vs_defaults"] = r["goodput"] / default if default > 0 else (1.0 if r["goodput"] == 0 else float("inf"))
     duration = trace[-1].arrival_time
     return {"shape": shape, "requests": n, "duration_s": duration, "costs": asdict(costs), "slo_ttft_ms": slo[0] * 1e3,
-            "slo_itl_ms": slo[1] * 1e3, "advice": [f"{d.stage}: {d.decision}" for d in advice.decisions], "rows": rows}
+            "slo_itl_ms": slo[1] * 1e3, "order": [runs[i][1] for i in order], "advice": [f"{d.stage}: {d.decision}" for d in advice.decisions], "rows": rows}
 
 
 def main() -> int:
@@ -274,6 +277,8 @@ def main() -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--num-threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--order-seed", type=int, default=None,
+                   help="seed of the order the configurations run in (default: --seed); give each pass its own")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                    help="keep the probe's step costs (default: refit them to the steps of the recording run)")
     p.add_argument("--json", default=None, help="write the results here")

@@ -19,7 +19,8 @@ is single-threaded, so changing it there is safe), and it changes three knobs:
   from decode-only steps and steps with a prefill chunk the autopilot estimates what a prompt
   token adds to a step, and keeps the budget at the chunk that still fits `step_fill` of the ITL
   objective next to the decodes (the first prompt, computed while nothing else runs, already
-  tells), as Sarathi-Serve sizes its chunks from the TBT objective;
+  tells, less the base of `step_costs` when given), as Sarathi-Serve sizes its chunks from the
+  TBT objective;
 - n-gram speculation and its k (tessera/advisor/spec_pilot.py): a shadow replay of the engine's
   proposer on the tokens requests really produce measures acceptance, on or off; every
   `spec_window_tokens` output tokens the modelled speedup of the best k (from that acceptance,
@@ -326,7 +327,7 @@ class Autopilot:
             return
         if prefill_tokens < cfg.step_reaction_min_prefill:
             return
-        base = percentile(self._decode_step_s, 50) if self._decode_step_s else 0.0
+        base = self._step_base_s()
         self._per_token_s = (self._per_token_s + [max(step_time_s - base, 0.0) / prefill_tokens])[-cfg.cost_samples :]
         per_token = min(self._per_token_s)
         if per_token <= 0 or cfg.slo_itl_ms is None:
@@ -334,13 +335,22 @@ class Autopilot:
         room = cfg.slo_itl_ms / 1e3 * cfg.step_fill - base
         self.budget_cap = max(cfg.min_budget, int(room / per_token) // 16 * 16)
 
+    def _step_base_s(self) -> float:
+        """What a step costs besides its prompt tokens: the median decode-only step; before one
+        was measured, the base of the given step costs (the first prompt's step, divided by its
+        tokens alone, took the base for prompt-token cost: 0.8 ms a token against 0.4 on the
+        real model, and a third of the budget the objective allows); 0 without either."""
+        if self._decode_step_s:
+            return percentile(self._decode_step_s, 50)
+        return self.config.step_costs.base_s if self.config.step_costs is not None else 0.0
+
     def _cut_to_cap(self, now: float) -> list[Decision]:
         old = self.budget
         # 10% of hysteresis: the estimates drift a little with every step; the budget need not.
         if self.budget_cap is None or old <= self.budget_cap * 1.1:
             return []
         self.budget = self.budget_cap
-        base = percentile(self._decode_step_s, 50) * 1e3 if self._decode_step_s else 0.0
+        base = self._step_base_s() * 1e3
         return [Decision(now, "max_num_batched_tokens", old, self.budget,
                          f"measured steps: {min(self._per_token_s) * 1e3:.3f} ms per prompt token next to "
                          f"{base:.1f} ms of decodes; {self.budget} tokens fit {self.config.step_fill:.0%} of the "

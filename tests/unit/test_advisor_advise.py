@@ -87,6 +87,26 @@ def test_chunk_budget_is_the_best_simulated_one(info):
     assert scores[64] == max(scores.values()) > scores[2048]
 
 
+@pytest.mark.parametrize(("scores", "want"), [
+    # Azure-style trace, pass 1 on the real model: 64 and 128 within 2% simulated; 64 (taken as
+    # the top score) served 7/8 requests, 128 8/8. A tie goes to the budget nearest the current.
+    ({64: 0.59, 128: 0.58, 256: 0.55, 512: 0.47, 1024: 0.51, 2048: 0.51}, 128),
+    ({64: 0.50, 128: 0.58, 256: 0.59, 512: 0.585, 1024: 0.40, 2048: 0.40}, 512),  # the current one in the tie
+    ({64: 0.30, 128: 0.40, 256: 0.59, 512: 0.50, 1024: 0.58, 2048: 0.30}, 256),  # equally near: the higher
+    ({64: 0.70, 128: 0.58, 256: 0.55, 512: 0.47, 1024: 0.51, 2048: 0.51}, 64),  # a clear winner stays
+])
+def test_a_budget_tie_goes_to_the_budget_nearest_the_current_one(info, monkeypatch, scores, want):
+    """Budgets within BUDGET_TIE of the best simulated goodput are ties: the one fewest doublings
+    from the current budget (the costs were measured there) is advised, not the top score."""
+    import tessera.advisor.advise as adv
+
+    monkeypatch.setattr(adv, "_robust_goodput", lambda p, cfg, budget=None, speculation=None:
+                        scores[budget or cfg["max_num_batched_tokens"]])
+    trace = synthesize("mixed", 8, rate=20.0, seed=1, vocab_size=info.config.vocab_size, length_scale=0.5)
+    _, advice = run(info, trace)
+    assert advice.config["max_num_batched_tokens"] == want
+
+
 def test_memory_stage_raises_the_pool_when_the_peak_does_not_fit(info):
     trace = synthesize("random", 16, rate=1.0, vocab_size=info.config.vocab_size, length_scale=1.0)
     for r in trace:

@@ -12,6 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from tessera.advisor.autopilot import Autopilot, AutopilotConfig
+from tessera.advisor.sim import StepCosts
 from tessera.config import EngineConfig
 from tessera.engine.engine import LLMEngine
 from tessera.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -149,6 +150,25 @@ def test_measured_step_costs_cap_the_budget_before_any_request_waits():
     for _ in range(2):
         ap2.record_ttft(0.5)
     assert [c.new for c in ap2.decide(2.0)] == [192]
+
+
+def test_the_first_cap_leaves_out_the_base_of_the_given_step_costs():
+    """Before any decode-only step, the first prompt's step is base + tokens x cost: with the
+    advisor's step costs the base (30 ms) is not charged to its 100 tokens. 0.25 ms a token, 130
+    ms of room under 80% of a 200 ms objective: 520 tokens fit, the default 512 stays; charging
+    the base, (55 / 100) ms a token would have cut it to 288 (what it still does without costs)."""
+    costs = StepCosts(base_s=0.030, per_decode_s=0.001, per_prefill_token_s=0.00025)
+    ap = pilot(slo_itl_ms=200, step_fill=0.8, step_costs=costs)
+    ap.record_step(0.0, prefill_tokens=100, step_time_s=0.030 + 100 * 0.00025)
+    assert ap.decide(0.0) == [] and ap.budget == 512
+    assert ap.budget_cap == 512  # int(0.130 / 0.00025) = 520, in blocks of 16
+    blind = pilot(slo_itl_ms=200, step_fill=0.8)
+    blind.record_step(0.0, prefill_tokens=100, step_time_s=0.055)
+    assert [(c.old, c.new) for c in blind.decide(0.0)] == [(512, 288)]  # int(0.160 / 0.00055) = 290
+    for t in (0.040, 0.040):  # decode-only steps measured: their median replaces the given base
+        ap.record_step(0.0, prefill_tokens=0, step_time_s=t)
+    ap.record_step(0.0, prefill_tokens=100, step_time_s=0.040 + 100 * 0.00025)
+    assert ap.budget_cap == 480  # int(0.120 / 0.00025) = 480
 
 
 def test_budget_doubles_for_ttft_only_while_itl_has_room():
