@@ -37,7 +37,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -216,7 +215,7 @@ def main() -> None:
     base = table.get("tessera", {}).get("seconds")
     print(f"\n{args.num_requests} requests, ShareGPT-like lengths (prompt mean {described['prompt_len_mean']:.0f}, "
           f"p50/p99 {described['prompt_len_p50_p99']}; output mean {described['output_len_mean']:.0f}, p50/p99 "
-          f"{described['output_len_p50_p99']}), {dtype}, {args.threads} threads, {platform.processor() or '?'} "
+          f"{described['output_len_p50_p99']}), {dtype}, {args.threads} threads, {cpu_name()} "
           f"({os.cpu_count()} cores)")
     print(f"{'engine':8s} {'seconds':>9s} {'useful out tok/s':>16s} {'computed/useful':>15s} {'tessera is':>11s}  how")
     for engine, t in table.items():
