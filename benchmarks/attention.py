@@ -18,40 +18,29 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import statistics
-import time
 from pathlib import Path
 
+import forward  # benchmarks/ is the script's folder
+import machine
 import torch
 import torch.nn.functional as F
 
+from tessera import kernels
 from tessera.attention.invariant_cpu import InvariantCPUAttention
 from tessera.attention.metadata import AttentionMetadata, single_sequence_metadata, slots_for_positions
 from tessera.attention.torch_cpu import TorchCPUAttention
 
 
 def cpu_name() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        name = next(ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name"))
-        model = next(ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model\t"))
-        flags = next(ln for ln in text.splitlines() if ln.startswith("flags")).split()
-        extra = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
-        return f"{name} model {model} ({', '.join(extra) or 'no avx512_bf16/amx'})"
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
+    """machine.cpu_name() and whether the CPU has the bf16 paths the kernel uses."""
+    flags = kernels.cpu_flags()
+    extra = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+    return f"{machine.cpu_name()} ({', '.join(extra) or 'no avx512_bf16/amx'})"
 
 
 def timed(fn, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    """Median milliseconds of fn (forward.timed gives seconds)."""
+    return forward.timed(fn, warmup, repeats) * 1e3
 
 
 def decode_metadata(batch: int, context: int, block_size: int, num_blocks: int, window: int | None,

@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from argparse import Namespace
@@ -41,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from forward import bench_dtype, build_model  # noqa: E402
+from forward import bench_dtype, build_model, timed  # noqa: E402
 
 from tessera.config import ModelConfig, resolve_dtype  # noqa: E402
 
@@ -139,14 +138,7 @@ def time_matmuls_only(model, rows: int, logit_rows: int, warmup: int, repeats: i
             F.linear(mid, layer.mlp.down_proj)
         F.linear(last, model.lm_head)
 
-    for _ in range(warmup):
-        run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return timed(run, warmup, repeats)
 
 
 # ---- report ---------------------------------------------------------------------------------
@@ -194,7 +186,8 @@ def main() -> None:
 
     # The model's steps, timed by benchmarks/forward.py.
     fwd_args = Namespace(model=args.model, block_size=16, batch_sizes=batch_sizes, prefill_len=args.prefill_len,
-                         context=args.context, seed=0, warmup=args.warmup, repeats=args.repeats)
+                         context=args.context, seed=0, warmup=args.warmup, repeats=args.repeats,
+                         kernels="invariant")  # the engine's kernels, as build_model below
     timed_rows = bench_dtype(fwd_args, dtype)
     model = build_model(args.model, dtype, 0)
     cfg = model.config
