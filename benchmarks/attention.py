@@ -1,10 +1,13 @@
 """Time one layer's attention call: the invariant C++ kernel against the torch backend and SDPA.
 
 SmolLM2-135M's attention shape by default (9 query heads, 3 KV heads, head_dim 64), bf16 K/V on
-shuffled blocks (the access pattern of a real cache). Cases: decode at batch 1 and 32 with
+shuffled blocks (the access pattern of a real cache), each call on the next of --layers caches (a
+model's 30 layers of KV do not stay in the CPU caches; --layers 1 measures one that does). Cases: decode at batch 1 and 32 with
 --context tokens each, prefill of one fresh prompt of each --prefill-lens length. Columns:
 
-- invariant: `InvariantCPUAttention.forward` (the CPU default: cache write + paged kernel);
+- invariant: `InvariantCPUAttention.forward` (the CPU default: cache write + paged kernel, on
+  AMX tiles for bf16 where the CPU has them);
+- avx512: the same kernel held to its AVX-512 arithmetic (`invariant_cpu.AMX = 0`);
 - torch: `TorchCPUAttention.forward` (gathers each context, matmul/SDPA);
 - sdpa: `F.scaled_dot_product_attention` on contiguous, unpaged [1, H, L, d] tensors (causal
   for prefill, one query row per sequence for decode): no cache at all, the floor to compare to.
@@ -17,6 +20,7 @@ Prints a table (median ms per call, and the kernel's ratio to SDPA) and writes J
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 
@@ -26,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera import kernels
+from tessera.attention import invariant_cpu
 from tessera.attention.invariant_cpu import InvariantCPUAttention
 from tessera.attention.metadata import AttentionMetadata, single_sequence_metadata, slots_for_positions
 from tessera.attention.torch_cpu import TorchCPUAttention
@@ -75,6 +80,9 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=None, help="sliding window (decode and prefill)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"])
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=30,
+                    help="distinct caches the calls rotate through (a model's: they do not stay in the CPU caches; "
+                         "1 times a cache that does)")
     ap.add_argument("--out", default="results/attention.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -85,12 +93,17 @@ def main() -> None:
     prefills = [int(n) for n in args.prefill_lens.split(",") if n]
     num_blocks = 2 + max([max(batches) * -(-args.context // bs)] + [-(-n // bs) for n in prefills])
     gen = torch.Generator().manual_seed(0)
-    cache = tuple(torch.randn(num_blocks * bs, hkv, d, generator=gen).to(dtype) for _ in range(2))
-    if args.kv_cache_dtype != "auto":
-        from tessera.quant.kv import _FORMATS, quantize
+    def layer_cache():
+        cache = tuple(torch.randn(num_blocks * bs, hkv, d, generator=gen).to(dtype) for _ in range(2))
+        if args.kv_cache_dtype != "auto":
+            from tessera.quant.kv import _FORMATS, quantize
 
-        codes, scales = zip(*(quantize(c, _FORMATS[args.kv_cache_dtype][0]) for c in cache), strict=True)
-        cache = (*codes, *scales)
+            codes, scales = zip(*(quantize(c, _FORMATS[args.kv_cache_dtype][0]) for c in cache), strict=True)
+            cache = (*codes, *scales)
+        return cache
+
+    caches = [layer_cache() for _ in range(args.layers)]
+    calls = itertools.count()
     scale = d**-0.5
     rows = []
 
@@ -99,11 +112,14 @@ def main() -> None:
         k = torch.randn(n_tokens, hkv, d, generator=gen).to(dtype)
         v = torch.randn(n_tokens, hkv, d, generator=gen).to(dtype)
         row = dict(case=name)
-        for label, backend in (("invariant", InvariantCPUAttention()), ("torch", TorchCPUAttention())):
+        for label, backend, amx in (("invariant", InvariantCPUAttention(), -1), ("avx512", InvariantCPUAttention(), 0),
+                                    ("torch", TorchCPUAttention(), -1)):
             def call(backend=backend):
                 backend.begin_step(md)
-                backend.forward(0, q, k, v, cache, md, scale, args.window)
+                backend.forward(0, q, k, v, caches[next(calls) % len(caches)], md, scale, args.window)
+            invariant_cpu.AMX = amx  # the kernel's arithmetic: AMX where it applies (-1) or AVX-512 (0)
             row[label] = timed(call, args.warmup, args.repeats)
+        invariant_cpu.AMX = -1
         row["sdpa"] = timed(sdpa_fn, args.warmup, args.repeats)
         rows.append(row)
 
@@ -126,15 +142,17 @@ def main() -> None:
 
     cpu = cpu_name()
     print(f"{cpu}, {args.threads} threads, torch {torch.__version__}, heads {h}/{hkv} d {d}, {args.dtype} "
-          f"KV {args.kv_cache_dtype}, window {args.window}, median of {args.repeats} (ms per layer call)")
-    print(f"{'case':<22} {'invariant':>10} {'torch':>9} {'sdpa':>9} {'inv/sdpa':>9}")
+          f"KV {args.kv_cache_dtype}, window {args.window}, {args.layers} caches in turn, median of {args.repeats} "
+          f"(ms per layer call; invariant = AMX tiles where they apply, avx512 = the same kernel without them)")
+    print(f"{'case':<22} {'invariant':>10} {'avx512':>9} {'torch':>9} {'sdpa':>9} {'inv/sdpa':>9}")
     for r in rows:
-        print(f"{r['case']:<22} {r['invariant']:>10.3f} {r['torch']:>9.3f} {r['sdpa']:>9.3f} "
+        print(f"{r['case']:<22} {r['invariant']:>10.3f} {r['avx512']:>9.3f} {r['torch']:>9.3f} {r['sdpa']:>9.3f} "
               f"{r['invariant'] / r['sdpa']:>9.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(cpu=cpu, threads=args.threads, torch=torch.__version__, heads=[h, hkv, d], dtype=args.dtype,
-                kv_cache_dtype=args.kv_cache_dtype, window=args.window, repeats=args.repeats, block_size=bs)
+                kv_cache_dtype=args.kv_cache_dtype, window=args.window, repeats=args.repeats, block_size=bs,
+                layers=args.layers)
     out.write_text(json.dumps(dict(config=meta, results=rows), indent=2) + "\n")
     print(f"wrote {out}")
 

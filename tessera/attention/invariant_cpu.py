@@ -25,6 +25,10 @@ from tessera.quant.kv import is_quantized, write_quantized
 
 _HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 
+# The kernel's arithmetic: -1 AMX tiles where the CPU has them (bf16 q and cache, head_dim a
+# multiple of 32), else AVX-512; 0 always AVX-512 (tests and benchmarks compare the two).
+AMX = -1
+
 
 @dataclass
 class _KernelPlan:
@@ -107,4 +111,4 @@ class InvariantCPUAttention(TorchCPUAttention):
             plan = self._kernel_plan = _kernel_plan(metadata)
         return kernels.ops().paged_attention(q, k_cache, v_cache, plan.block_tables, plan.token_row,
                                              plan.token_ctx, metadata.block_size, scale, sliding_window or 0,
-                                             k_scales, v_scales)
+                                             k_scales, v_scales, AMX)

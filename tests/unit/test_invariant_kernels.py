@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera import kernels
+from tessera.attention import invariant_cpu
 from tessera.attention.invariant_cpu import InvariantCPUAttention
 from tessera.attention.metadata import AttentionMetadata, PrefillSpan, slots_for_positions
 from tessera.kernels.linear import InvariantLinear, supported
@@ -16,6 +17,18 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="the C++ kernels
 
 DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     not supported(torch.bfloat16), reason="bf16 invariant linear needs AMX"))]
+
+# The attention kernel's two arithmetics: AVX-512 everywhere, AMX tiles for bf16 where the CPU has them.
+ARITHMETICS = ["avx512", pytest.param("amx", marks=pytest.mark.skipif(
+    not kernels.cpu_has_amx_bf16(), reason="the AMX attention needs a CPU with AMX"))]
+
+
+def _use_arithmetic(monkeypatch, arithmetic, applies):
+    """avx512: the kernel's AVX-512 path. amx: AMX required (the kernel raises if it cannot take
+    it), so the case really runs on tiles; cases it does not cover are skipped."""
+    if arithmetic == "amx" and not applies:
+        pytest.skip("the AMX arithmetic covers bf16 caches with head_dim a multiple of 32")
+    monkeypatch.setattr(invariant_cpu, "AMX", 1 if arithmetic == "amx" else 0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -81,8 +94,10 @@ def _metadata(decode_tables, decode_ctx, spans, block_size):
 # (6, 2, 80): a head_dim that is not a multiple of 64 (P.V once ran past the row there).
 @pytest.mark.parametrize("heads", [(4, 2, 16), (9, 3, 64), (4, 1, 32), (6, 2, 80)])
 @pytest.mark.parametrize("block_size", [4, 16, 32])
-def test_paged_attention_matches_softmax_formula(dtype, heads, block_size):
+@pytest.mark.parametrize("arithmetic", ARITHMETICS)
+def test_paged_attention_matches_softmax_formula(dtype, heads, block_size, arithmetic, monkeypatch):
     h, hkv, d = heads
+    _use_arithmetic(monkeypatch, arithmetic, dtype == torch.bfloat16 and d % 32 == 0)
     gen = torch.Generator().manual_seed(1)
     num_blocks = 64
     k_cache = torch.randn(num_blocks * block_size, hkv, d, generator=gen).to(dtype)
@@ -186,13 +201,15 @@ def _quantized_cache(k_cache, v_cache, kv_dtype):
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8"])
 @pytest.mark.parametrize("window", [None, 1, 13, 40])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_paged_attention_window_and_quantized_kv(kv_dtype, window, block_size):
+@pytest.mark.parametrize("arithmetic", ARITHMETICS)
+def test_paged_attention_window_and_quantized_kv(kv_dtype, window, block_size, arithmetic, monkeypatch):
     """Sliding windows and int8/fp8 caches in the kernel: every row against float64 attention
     over the dequantized keys inside its window, with the blocks behind every window released
     to block 0 (filled with NaN: a read of them would show); and each token of a prefill chunk
     run alone as a decode gives the same bits."""
     h, hkv, d = 9, 3, 64
     dtype = torch.bfloat16
+    _use_arithmetic(monkeypatch, arithmetic, kv_dtype == "auto")
     gen = torch.Generator().manual_seed(7)
     num_blocks = 48
     k_src = torch.randn(num_blocks * block_size, hkv, d, generator=gen).to(dtype)
@@ -244,4 +261,48 @@ def test_paged_attention_window_and_quantized_kv(kv_dtype, window, block_size):
         row = chunk_start + j
         single = backend.forward(0, q[row:row + 1], k_new[row:row + 1], v_new[row:row + 1], cache, alone,
                                  d**-0.5, window)
+        assert torch.equal(single[0], out[row]), j
+
+
+@pytest.mark.parametrize("block_size", [4, 16, 32])
+@pytest.mark.parametrize("arithmetic", ARITHMETICS)
+def test_paged_attention_long_contexts_across_chunks(block_size, arithmetic, monkeypatch):
+    """Contexts past the AMX path's 256-key chunks (a decode of 600 keys, a prefill chunk whose
+    rows straddle positions 256 and 512, a GQA group of 4: 64 query rows per KV head in an item) against
+    float64 attention; each row of the chunk alone as a decode gives the same bits."""
+    h, hkv, d = 8, 2, 128
+    _use_arithmetic(monkeypatch, arithmetic, True)
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(11)
+    num_blocks = 2048 // block_size
+    k_cache = torch.randn(num_blocks * block_size, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks * block_size, hkv, d, generator=gen).to(dtype)
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    need = lambda c: -(-c // block_size)  # noqa: E731
+    decode_ctx = [600, 257]
+    spans = [(530, 290)]  # rows at positions 240..529
+    tables, cursor = [], 0
+    for c in decode_ctx + [ctx for ctx, _ in spans]:
+        tables.append(perm[cursor: cursor + need(c)])
+        cursor += need(c)
+    md = _metadata(tables[:2], decode_ctx, [(tables[2], *spans[0])], block_size)
+    q = (torch.randn(md.num_tokens, h, d, generator=gen) * 2).to(dtype)  # peaked softmax rows too
+    k_new, v_new = k_cache[md.slot_mapping].clone(), v_cache[md.slot_mapping].clone()
+    backend = InvariantCPUAttention()
+    backend.begin_step(md)
+    out = backend.forward(0, q, k_new, v_new, (k_cache, v_cache), md, d**-0.5)
+    positions = [(t, c) for t, c in zip(tables[:2], decode_ctx, strict=True)]
+    positions += [(tables[2], spans[0][0] - spans[0][1] + j + 1) for j in range(spans[0][1])]
+    for row, (table, ctx) in enumerate(positions):
+        slots = torch.tensor(slots_for_positions(table, 0, ctx, block_size))
+        ref = _naive_attention(q[row], k_cache, v_cache, slots, d**-0.5)
+        assert (out[row].double() - ref).abs().max() < 2e-2, row
+    chunk_start = 2
+    for j in (0, 15, 16, 17, 272, 289):  # around the 256 and 512 chunk edges and the 16-row items
+        ctx = spans[0][0] - spans[0][1] + j + 1
+        alone = _metadata([tables[2]], [ctx], [], block_size)
+        backend.begin_step(alone)
+        row = chunk_start + j
+        single = backend.forward(0, q[row:row + 1], k_new[row:row + 1], v_new[row:row + 1], (k_cache, v_cache),
+                                 alone, d**-0.5)
         assert torch.equal(single[0], out[row]), j

@@ -29,8 +29,11 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 
-#if defined(__AVX512F__)
+#if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #include <algorithm>
@@ -363,8 +366,194 @@ inline float softmax_step(v16f s, int j0, int j1, float& mx, float& den, float* 
   return corr;
 }
 
+// ---- Scores on AMX tiles (bf16 caches and queries, head_dim a multiple of 32, CPUs with AMX).
+// A query row's score against 16 keys is one column of a tile product C = K (16 keys x 32 d, read
+// from the cache rows in place) x Q^T (32 d x 16 query rows, VNNI pairs), summed over head_dim in
+// 32-wide steps in order, then times the softmax scale. An element of C depends only on its key
+// row and query column, so a row's scores are the same whichever rows share its tile (decode,
+// prefill chunk or verification): the contract holds with one fixed arithmetic per CPU kind.
+#if defined(__x86_64__)
+bool cpu_has_amx() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tile = (d >> 24) & 1, bf16 = (d >> 22) & 1;
+    // Linux hands out AMX tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+    return tile && bf16 && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  }();
+  return ok;
+}
+
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")
+
+struct alignas(64) AmxConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Every tile 16 rows x 64 bytes: 0-3 C (fp32), 4, 5 and 7 keys / V pairs, 5 Q^T, 6 P rows.
+void amx_begin() {
+  AmxConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  // GCC does not see ldtilecfg read its operand and drops the stores above without this.
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+void amx_end() { _tile_release(); }
+
+// One tile product: a [16 keys][32 d] at stride a_stride bytes per key, b a 32 x 16 VNNI tile.
+struct ScoreJob {
+  const at::BFloat16* a;
+  const at::BFloat16* b;
+  float* c;
+};
+
+// NC (1..4) independent C tiles at once, each summed over ksteps 32-wide steps of d in order.
+template <int NC>
+void amx_score_group(const ScoreJob* jobs, int64_t a_stride, int ksteps) {
+  if constexpr (NC > 0) _tile_zero(0);
+  if constexpr (NC > 1) _tile_zero(1);
+  if constexpr (NC > 2) _tile_zero(2);
+  if constexpr (NC > 3) _tile_zero(3);
+  for (int ks = 0; ks < ksteps; ++ks) {
+    if constexpr (NC > 0) {
+      _tile_loadd(4, jobs[0].a + ks * 32, a_stride);
+      _tile_loadd(5, jobs[0].b + ks * 512, 64);
+      _tile_dpbf16ps(0, 4, 5);
+    }
+    if constexpr (NC > 1) {
+      _tile_loadd(4, jobs[1].a + ks * 32, a_stride);
+      _tile_loadd(5, jobs[1].b + ks * 512, 64);
+      _tile_dpbf16ps(1, 4, 5);
+    }
+    if constexpr (NC > 2) {
+      _tile_loadd(4, jobs[2].a + ks * 32, a_stride);
+      _tile_loadd(5, jobs[2].b + ks * 512, 64);
+      _tile_dpbf16ps(2, 4, 5);
+    }
+    if constexpr (NC > 3) {
+      _tile_loadd(4, jobs[3].a + ks * 32, a_stride);
+      _tile_loadd(5, jobs[3].b + ks * 512, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  if constexpr (NC > 0) _tile_stored(0, jobs[0].c, 64);
+  if constexpr (NC > 1) _tile_stored(1, jobs[1].c, 64);
+  if constexpr (NC > 2) _tile_stored(2, jobs[2].c, 64);
+  if constexpr (NC > 3) _tile_stored(3, jobs[3].c, 64);
+}
+
+void amx_scores(const ScoreJob* jobs, int n, int64_t a_stride, int ksteps) {
+  for (int i = 0; i < n; i += 4) {
+    switch (std::min(4, n - i)) {
+      case 4: amx_score_group<4>(jobs + i, a_stride, ksteps); break;
+      case 3: amx_score_group<3>(jobs + i, a_stride, ksteps); break;
+      case 2: amx_score_group<2>(jobs + i, a_stride, ksteps); break;
+      default: amx_score_group<1>(jobs + i, a_stride, ksteps); break;
+    }
+  }
+}
+
+// Column n of a C tile ([16 keys][16 columns] fp32): the 16 keys' scores of one query row.
+v16f amx_column(const float* c, int n) {
+  const __m512i idx = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  return (v16f)_mm512_i32gather_ps(idx, c + n, 4);
+}
+
+// P.V of a chunk on AMX: P rows (16 query rows x 32 keys per step, bf16) times V pairs (per step
+// 16 key pairs x 16 columns x 2), summed over nks steps in order into NC C tiles of 16 columns.
+template <int NC>
+void amx_pv_group(const at::BFloat16* pa, const at::BFloat16* vb, int nks, int64_t chunk, float* out) {
+  if constexpr (NC > 0) _tile_zero(0);
+  if constexpr (NC > 1) _tile_zero(1);
+  if constexpr (NC > 2) _tile_zero(2);
+  if constexpr (NC > 3) _tile_zero(3);
+  for (int ks = 0; ks < nks; ++ks) {
+    _tile_loadd(6, pa + ks * 512, 64);
+    if constexpr (NC > 0) { _tile_loadd(4, vb + ks * 512, 64); _tile_dpbf16ps(0, 6, 4); }
+    if constexpr (NC > 1) { _tile_loadd(5, vb + chunk + ks * 512, 64); _tile_dpbf16ps(1, 6, 5); }
+    if constexpr (NC > 2) { _tile_loadd(7, vb + 2 * chunk + ks * 512, 64); _tile_dpbf16ps(2, 6, 7); }
+    if constexpr (NC > 3) { _tile_loadd(4, vb + 3 * chunk + ks * 512, 64); _tile_dpbf16ps(3, 6, 4); }
+  }
+  if constexpr (NC > 0) _tile_stored(0, out, 64);
+  if constexpr (NC > 1) _tile_stored(1, out + 256, 64);
+  if constexpr (NC > 2) _tile_stored(2, out + 512, 64);
+  if constexpr (NC > 3) _tile_stored(3, out + 768, 64);
+}
+
+// nc chunks of 16 output columns; vb holds chunk c's steps at vb + c * nks * 512; out [nc][16][16].
+void amx_pv(const at::BFloat16* pa, const at::BFloat16* vb, int nc, int nks, float* out) {
+  const int64_t chunk = static_cast<int64_t>(nks) * 512;
+  for (int c = 0; c < nc; c += 4) {
+    switch (std::min(4, nc - c)) {
+      case 4: amx_pv_group<4>(pa, vb + c * chunk, nks, chunk, out + c * 256); break;
+      case 3: amx_pv_group<3>(pa, vb + c * chunk, nks, chunk, out + c * 256); break;
+      case 2: amx_pv_group<2>(pa, vb + c * chunk, nks, chunk, out + c * 256); break;
+      default: amx_pv_group<1>(pa, vb + c * chunk, nks, chunk, out + c * 256); break;
+    }
+  }
+}
+
+// V rows of one KV head as key pairs: step ks, pair j holds keys 32 ks + 2j and + 1 (off[] their
+// element offsets, -1 = a key no row reads: zeros, since 0 x NaN from a released block is NaN).
+// Chunk 2w gets d {0-3, 8-11, 16-19, 24-27} + 32w of both keys interleaved, chunk 2w + 1 the
+// other 16 d of that 32 (vpunpck{l,h}wd work within 128-bit lanes); amx_unpermute undoes it.
+template <int D>
+void amx_v_pairs(const at::BFloat16* vc, const int64_t* off, int nks, at::BFloat16* vb) {
+  const int64_t chunk = static_cast<int64_t>(nks) * 512;
+  for (int ks = 0; ks < nks; ++ks)
+    for (int j = 0; j < 16; ++j) {
+      const int64_t o0 = off[ks * 32 + 2 * j], o1 = off[ks * 32 + 2 * j + 1];
+      at::BFloat16* row = vb + ks * 512 + j * 32;
+      for (int w = 0; w < D / 32; ++w) {
+        const __m512i a = o0 < 0 ? _mm512_setzero_si512() : _mm512_loadu_si512(vc + o0 + 32 * w);
+        const __m512i b = o1 < 0 ? _mm512_setzero_si512() : _mm512_loadu_si512(vc + o1 + 32 * w);
+        _mm512_storeu_si512(row + (2 * w) * chunk, _mm512_unpacklo_epi16(a, b));
+        _mm512_storeu_si512(row + (2 * w + 1) * chunk, _mm512_unpackhi_epi16(a, b));
+      }
+    }
+}
+
+// 16 fp32 probabilities to bf16 (round to nearest even), one P row.
+void amx_store_p(const float* p, at::BFloat16* dst) {
+  const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(p));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), reinterpret_cast<const __m256i&>(h));
+}
+
+#pragma GCC pop_options
+#else
+bool cpu_has_amx() { return false; }
+void amx_pv(const at::BFloat16*, const at::BFloat16*, int, int, float*) {}
+template <int D>
+void amx_v_pairs(const at::BFloat16*, const int64_t*, int, at::BFloat16*) {}
+void amx_store_p(const float*, at::BFloat16*) {}
+void amx_begin() {}
+void amx_end() {}
+struct ScoreJob {
+  const at::BFloat16* a;
+  const at::BFloat16* b;
+  float* c;
+};
+void amx_scores(const ScoreJob*, int, int64_t, int) {}
+v16f amx_column(const float*, int) { return v16f{}; }
+#endif
+
 struct Workspace {
   std::vector<float> q, acc, mx, den, kT, p;
+  // The AMX path: Q^T tiles per KV head, scores of a chunk, staged K rows, P rows, V pairs, P.V
+  std::vector<at::BFloat16> bq, kstage, pa, vb;
+  std::vector<float> cs, pv, corr;
+  int nbt = 0;  // C tiles (16 query rows each) per KV head
 };
 
 struct Problem {
@@ -375,6 +564,8 @@ struct Problem {
   const int32_t* tables;
   int64_t max_blocks, block_size, hkv, window;  // window 0 = none
   int g;
+  bool amx;  // the AMX arithmetic (bf16 q and cache, head_dim a multiple of 32)
+  float scale;
 };
 
 // Per 32 values: 16 even d then 16 odd d -> d order (n a multiple of 32).
@@ -408,6 +599,155 @@ inline void attend_rows(Workspace& ws, int64_t r, const float* kT, const C* vc, 
   pv_rows<C, D, NR>(ar, pc, corr, vc, off, vscale, j0, j1);
 }
 
+// ---- The AMX arithmetic for a work item (bf16 caches, head_dim a multiple of 32, CPUs with
+// AMX). Keys go in absolute chunks of kChunk positions: all scores of a chunk first (tile products,
+// see above), then per row one online-softmax step over the whole chunk (its max, the rescale of
+// what came before, probabilities by the fixed exp, their sum tile by tile in order), then
+// P.V with the probabilities rounded to bf16, summed over the chunk in 32-key steps in order,
+// and acc = acc x corr + P.V (one rounding). A row's arithmetic never depends on the rows beside
+// it, so a decode equals the same token in a prefill chunk here too.
+constexpr int64_t kChunk = 256;
+constexpr int kChunkTiles = kChunk / kLanes;
+
+template <int D>
+void amx_attend_item(const Problem& pb, const int32_t* table, int tq, const int64_t* lo, const int64_t* hi,
+                     int64_t lo_all, int64_t hi_all, Workspace& ws) {
+  const int g = pb.g, nbt = ws.nbt;
+  const int64_t hkv = pb.hkv, heads = hkv * g, row_stride = hkv * D, bs = pb.block_size;
+  constexpr int nc = D / 16, ksteps = D / 32;
+  const at::BFloat16* kc = static_cast<const at::BFloat16*>(pb.k);
+  const at::BFloat16* vc = static_cast<const at::BFloat16*>(pb.v);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const v16f lane = (v16f){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  ws.cs.resize(static_cast<size_t>(hkv) * nbt * kChunkTiles * 256);
+  ws.pa.resize(static_cast<size_t>(nbt) * (kChunkTiles / 2) * 512);
+  ws.vb.resize(static_cast<size_t>(nc) * (kChunkTiles / 2) * 512);
+  ws.pv.resize(static_cast<size_t>(nc) * 256);
+  ws.corr.resize(static_cast<size_t>(nbt) * 16);
+  int64_t slot[kChunk], off[kChunk];
+  for (int64_t c0 = lo_all / kChunk * kChunk; c0 < hi_all; c0 += kChunk) {
+    // Tiles [tf, tl] of the chunk hold keys some row reads; P.V runs over the 32-key steps
+    // covering them (a tile of a step outside the range has p = 0 and zero V rows).
+    const int tf = static_cast<int>(std::max<int64_t>(lo_all - c0, 0) / kLanes);
+    const int tl = static_cast<int>((std::min<int64_t>(hi_all - c0, kChunk) - 1) / kLanes);
+    const int ks0 = tf / 2, nks = tl / 2 - ks0 + 1;
+    const int64_t k0 = c0 + ks0 * 32;  // position of the first key of step 0
+    for (int i = 0; i < nks * 32; ++i) {
+      const int64_t pos = k0 + i;
+      slot[i] = pos < lo_all || pos >= hi_all ? -1 : static_cast<int64_t>(table[pos / bs]) * bs + pos % bs;
+    }
+    // The chunk's key rows towards L2 before the tile loads ask for them: a model's cache does
+    // not stay in the caches, and a walk through random blocks outruns the hardware prefetcher
+    // at every block edge (V is left to it: its loads come later and prefetching them measured
+    // no better).
+    for (int i = 0; i < nks * 32; ++i)
+      if (slot[i] >= 0)
+        for (int64_t b = 0; b < row_stride * 2; b += 64)
+          __builtin_prefetch(reinterpret_cast<const char*>(kc + slot[i] * row_stride) + b, 0, 2);
+    // Scores: per tile, the keys in place when its 16 slots are consecutive, else staged.
+    ScoreJob jobs[64];
+    int njobs = 0;
+    for (int i = tf; i <= tl; ++i) {
+      const int64_t* sl = slot + (i - ks0 * 2) * kLanes;
+      bool direct = sl[0] >= 0;
+      for (int j = 1; j < kLanes && direct; ++j) direct = sl[j] == sl[0] + j;
+      const at::BFloat16* base;
+      if (direct) {
+        base = kc + sl[0] * row_stride;
+      } else {
+        ws.kstage.resize(static_cast<size_t>(kChunkTiles) * kLanes * row_stride);
+        at::BFloat16* stage = ws.kstage.data() + i * kLanes * row_stride;
+        for (int j = 0; j < kLanes; ++j) {
+          if (sl[j] < 0)
+            std::memset(static_cast<void*>(stage + j * row_stride), 0, sizeof(at::BFloat16) * row_stride);
+          else
+            std::memcpy(static_cast<void*>(stage + j * row_stride), kc + sl[j] * row_stride,
+                        sizeof(at::BFloat16) * row_stride);
+        }
+        base = stage;
+      }
+      for (int64_t kvh = 0; kvh < hkv; ++kvh)
+        for (int nb = 0; nb < nbt; ++nb) {
+          jobs[njobs++] = {base + kvh * D, ws.bq.data() + (kvh * nbt + nb) * ksteps * 512,
+                           ws.cs.data() + ((kvh * nbt + nb) * kChunkTiles + i) * 256};
+          if (njobs == 64) {
+            amx_scores(jobs, njobs, row_stride * 2, ksteps);
+            njobs = 0;
+          }
+        }
+    }
+    if (njobs) amx_scores(jobs, njobs, row_stride * 2, ksteps);
+    for (int64_t kvh = 0; kvh < hkv; ++kvh) {
+      for (int i = 0; i < nks * 32; ++i) off[i] = slot[i] < 0 ? -1 : slot[i] * row_stride + kvh * D;
+      const float* cs = ws.cs.data() + kvh * nbt * kChunkTiles * 256;
+      for (int n = 0; n < nbt * 16; ++n) {
+        // P row n of step ks: ws.pa[((n / 16) * nks + ks) * 512 + (n % 16) * 32 + key]
+        at::BFloat16* prow = ws.pa.data() + (n / 16) * nks * 512 + (n % 16) * 32;
+        const int t = n / g;
+        v16f sc[kChunkTiles];
+        float m = ninf;
+        if (t < tq) {
+          for (int i = tf; i <= tl; ++i) {
+            const float first = static_cast<float>(lo[t] - (c0 + i * kLanes));
+            const float end = static_cast<float>(hi[t] - (c0 + i * kLanes));
+            const v16f s = amx_column(cs + ((n / 16) * kChunkTiles + i) * 256, n % 16) * pb.scale;
+            sc[i] = (lane >= first) & (lane < end) ? s : splat(ninf);
+            m = std::max(m, lane_max(sc[i]));
+          }
+        }
+        if (m == ninf) {  // no key of this row in the chunk (or a padding column): no change
+          for (int ks = 0; ks < nks; ++ks) std::memset(static_cast<void*>(prow + ks * 512), 0, 64);
+          ws.corr[n] = 1.f;
+          continue;
+        }
+        const int64_t r = t * heads + kvh * g + n % g;
+        const float bm = std::max(ws.mx[r], m);
+        const float corr = bm == ws.mx[r] ? 1.f : softmax_exp(splat(ws.mx[r] - bm))[0];
+        v16f sum = {};
+        alignas(64) float e[kLanes];
+        for (int i = ks0 * 2; i < (ks0 + nks) * 2; ++i) {
+          at::BFloat16* dst = prow + (i / 2 - ks0) * 512 + (i % 2) * 16;
+          if (i < tf || i > tl) {
+            std::memset(static_cast<void*>(dst), 0, 32);
+            continue;
+          }
+          const v16f p = softmax_exp(sc[i] - bm);
+          sum = sum + p;
+          store16(e, p);
+          amx_store_p(e, dst);
+        }
+        ws.den[r] = std::fma(ws.den[r], corr, lane_sum(sum));
+        ws.mx[r] = bm;
+        ws.corr[n] = corr;
+      }
+      amx_v_pairs<D>(vc, off, nks, ws.vb.data());
+      for (int nb = 0; nb < nbt; ++nb) {
+        amx_pv(ws.pa.data() + nb * nks * 512, ws.vb.data(), nc, nks, ws.pv.data());
+        for (int m = 0; m < 16; ++m) {
+          const int n = nb * 16 + m, t = n / g;
+          if (t >= tq) break;
+          float* acc = ws.acc.data() + (t * heads + kvh * g + n % g) * D;
+          const v16f corr = splat(ws.corr[n]);
+          for (int c = 0; c < nc; ++c)
+            store16(acc + c * 16, fma16(load16(acc + c * 16), corr, load16(ws.pv.data() + c * 256 + m * 16)));
+        }
+      }
+    }
+  }
+  // acc from amx_v_pairs' column order back to d order: per 32 d, the first 16 hold d
+  // {0-3, 8-11, 16-19, 24-27}, the next 16 the rest.
+  const int64_t total = tq * heads * D;
+  for (int64_t c = 0; c < total; c += 32) {
+    float tmp[32];
+    for (int l = 0; l < 4; ++l)
+      for (int i = 0; i < 4; ++i) {
+        tmp[8 * l + i] = ws.acc[c + 4 * l + i];
+        tmp[8 * l + 4 + i] = ws.acc[c + 16 + 4 * l + i];
+      }
+    std::memcpy(ws.acc.data() + c, tmp, sizeof(tmp));
+  }
+}
+
 // One work item: tq tokens of the sequence whose block table is `table` (rows t * H + head of
 // ws.q, already fp32 and scaled), all KV heads: a tile's K/V rows are read once, and each KV head's keys are converted and transposed once for
 // its g query heads and all tq tokens. Leaves acc and den in ws.
@@ -433,6 +773,12 @@ void attend_item(const Problem& pb, const int32_t* table, const int32_t* ctx, in
     lo[t] = pb.window > 0 ? std::max<int64_t>(0, hi[t] - pb.window) : 0;
     lo_all = std::min(lo_all, lo[t]);
     hi_all = std::max(hi_all, hi[t]);
+  }
+  if constexpr (std::is_same_v<C, at::BFloat16> && D % 32 == 0) {
+    if (pb.amx) {
+      amx_attend_item<D>(pb, table, tq, lo, hi, lo_all, hi_all, ws);
+      return;
+    }
   }
   float* kT = ws.kT.data();
   // slots[j] of the tile's positions some token reads (never one behind every window), -1 = none.
@@ -519,11 +865,27 @@ void run(const at::Tensor& q, const Problem& pb, AttendFn attend, const int32_t*
   const float fscale = static_cast<float>(scale);
   auto work = [&](const Item& it, Workspace& ws) {
     const int64_t rows = it.tq * h;
-    ws.q.resize(static_cast<size_t>(rows) * d);
-    for (int64_t r = 0; r < rows; ++r) {  // row t * H + head is q[first + t, head]
-      const T* src = qp + (it.first * h + r) * d;
-      float* dst = ws.q.data() + r * d;
-      for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]) * fscale;
+    if (pb.amx) {
+      // Q^T tiles per KV head: column n = t * g + (head % g) holds the row's d as VNNI pairs,
+      // tile (kvh, nb, ks) = 16 pairs x 16 columns x 2; unused columns are zero.
+      const int64_t ksteps = d / 32;
+      ws.nbt = static_cast<int>((it.tq * g + 15) / 16);
+      ws.bq.assign(static_cast<size_t>(pb.hkv) * ws.nbt * ksteps * 512, at::BFloat16(0.f));
+      for (int64_t t = 0; t < it.tq; ++t)
+        for (int64_t head = 0; head < h; ++head) {
+          const int64_t kvh = head / g, n = t * g + head % g, nb = n / 16, col = n % 16;
+          const T* src = qp + ((it.first + t) * h + head) * d;
+          at::BFloat16* tile = ws.bq.data() + (kvh * ws.nbt + nb) * ksteps * 512;
+          for (int64_t i = 0; i < d; ++i)
+            tile[(i / 32) * 512 + ((i % 32) / 2) * 32 + col * 2 + i % 2] = static_cast<at::BFloat16>(src[i]);
+        }
+    } else {
+      ws.q.resize(static_cast<size_t>(rows) * d);
+      for (int64_t r = 0; r < rows; ++r) {  // row t * H + head is q[first + t, head]
+        const T* src = qp + (it.first * h + r) * d;
+        float* dst = ws.q.data() + r * d;
+        for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]) * fscale;
+      }
     }
     attend(pb, pb.tables + static_cast<int64_t>(seq_idx[it.first]) * pb.max_blocks, ctx + it.first, it.tq, ws);
     for (int64_t r = 0; r < rows; ++r) {
@@ -537,20 +899,24 @@ void run(const at::Tensor& q, const Problem& pb, AttendFn attend, const int32_t*
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
   if (threads <= 1) {
     thread_local Workspace ws;
+    if (pb.amx) amx_begin();
     for (const Item& it : items) work(it, ws);
+    if (pb.amx) amx_end();
     return;
   }
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     thread_local Workspace ws;
+    if (pb.amx) amx_begin();  // tile state is per thread
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) work(items[i], ws);
+    if (pb.amx) amx_end();
   });
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_idx, const at::Tensor& ctx_len,
                            int64_t block_size, double scale, int64_t window, const std::optional<at::Tensor>& k_scales,
-                           const std::optional<at::Tensor>& v_scales) {
+                           const std::optional<at::Tensor>& v_scales, int64_t amx) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "paged_attention: q [T,H,d], caches [S,Hkv,d]");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_attention: K and V caches must share a dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: caches must be contiguous");
@@ -578,7 +944,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   if (q.size(0) == 0) return out;
   Problem pb{k_cache.data_ptr(), v_cache.data_ptr(), quantized ? ks.data_ptr<float>() : nullptr,
              quantized ? vs.data_ptr<float>() : nullptr, tables.data_ptr<int32_t>(), tables.size(1), block_size,
-             hkv, window, static_cast<int>(h / hkv)};
+             hkv, window, static_cast<int>(h / hkv), false, static_cast<float>(scale)};
+  // amx: -1 where the CPU has it, 0 never (the AVX-512 arithmetic), 1 required.
+  const bool amx_fits = cache_type == at::kBFloat16 && q.scalar_type() == at::kBFloat16 && d % 32 == 0;
+  TORCH_CHECK(amx != 1 || (amx_fits && cpu_has_amx()), "paged_attention: amx=1 needs bf16 q and cache, head_dim a "
+              "multiple of 32 and a CPU with AMX");
+  pb.amx = amx != 0 && amx_fits && cpu_has_amx();
   AttendFn attend = nullptr;
   switch (cache_type) {
     case at::kBFloat16: attend = pick_head_dim<at::BFloat16>(d); break;
@@ -604,7 +975,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 TORCH_LIBRARY_FRAGMENT(tessera_inv, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_idx, "
         "Tensor ctx_len, int block_size, float scale, int window=0, Tensor? k_scales=None, "
-        "Tensor? v_scales=None) -> Tensor");
+        "Tensor? v_scales=None, int amx=-1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tessera_inv, CPU, m) {
