@@ -17,26 +17,30 @@ import logging
 import torch
 from torch import nn
 
-from tessera import kernels
+from tessera import kernels, memory
 
 logger = logging.getLogger("tessera")
 
 
-def _pack_bf16(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> VNNI tiles [Np/16, Kp/2, 16, 2] (N, K padded to multiples of 32)."""
+def packed_shape(weight: torch.Tensor) -> tuple[int, ...]:
+    """The packed weight's shape: bf16 VNNI tiles [Np/16, Kp/2, 16, 2] (N, K padded to multiples
+    of 32), float32 transposed [K, Np] (N padded to a multiple of 64)."""
     n, k = weight.shape
-    np_, kp = -(-n // 32) * 32, -(-k // 32) * 32
-    padded = torch.zeros(np_, kp, dtype=torch.bfloat16)
-    padded[:n, :k] = weight
-    return padded.view(np_ // 16, 16, kp // 2, 2).permute(0, 2, 1, 3).contiguous()
+    if weight.dtype == torch.bfloat16:
+        return (-(-n // 32) * 2, -(-k // 32) * 16, 16, 2)
+    return (k, -(-n // 64) * 64)
 
 
-def _pack_f32(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [K, Np] (transposed, N padded to a multiple of 64)."""
+def _pack(weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] into the zero-filled `out` of `packed_shape(weight)`."""
     n, k = weight.shape
-    packed = torch.zeros(k, -(-n // 64) * 64, dtype=torch.float32)
-    packed[:, :n] = weight.t()
-    return packed
+    if weight.dtype == torch.bfloat16:
+        np_, kp = out.shape[0] * 16, out.shape[1] * 2
+        padded = torch.zeros(np_, kp, dtype=torch.bfloat16)
+        padded[:n, :k] = weight
+        return out.copy_(padded.view(np_ // 16, 16, kp // 2, 2).permute(0, 2, 1, 3))
+    out[:, :n] = weight.t()
+    return out
 
 
 def supported(dtype: torch.dtype) -> bool:
@@ -51,14 +55,17 @@ def supported(dtype: torch.dtype) -> bool:
 class InvariantLinear(nn.Module):
     """y = x @ W.T (+ bias) with a batch-invariant kernel; W packed at construction."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, out: torch.Tensor | None = None) -> None:
+        """out: a zero-filled tensor of `packed_shape(weight)` to pack into (an Arena's, so the
+        weights a step streams sit on huge pages); default a buffer of its own."""
         super().__init__()
         if not supported(weight.dtype):
             raise ValueError(f"no batch-invariant linear kernel for {weight.dtype} on this CPU")
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
-        pack = _pack_bf16 if weight.dtype == torch.bfloat16 else _pack_f32
-        self.register_buffer("packed", pack(weight.detach()), persistent=False)
+        if out is None:
+            out = memory.zeros(packed_shape(weight), weight.dtype)
+        self.register_buffer("packed", _pack(weight.detach(), out), persistent=False)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         ops = kernels.ops()
@@ -81,13 +88,15 @@ def make_linears_invariant(model: nn.Module) -> int:
     weight when no kernel exists for the model dtype here."""
     from tessera.quant.linear import linear_weight_slots, replace_weight
 
-    count = 0
+    todo = []
     for owner, name, _ in linear_weight_slots(model, quantize_lm_head=True):
         weight = getattr(owner, name)
-        if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu" or not supported(weight.dtype):
-            continue
-        replace_weight(owner, name, InvariantLinear(weight))
-        count += 1
+        if isinstance(weight, torch.Tensor) and weight.device.type == "cpu" and supported(weight.dtype):
+            todo.append((owner, name, weight))
+    arena = memory.Arena([(packed_shape(w), w.dtype) for _, _, w in todo])  # one huge-page buffer for all
+    for owner, name, weight in todo:
+        replace_weight(owner, name, InvariantLinear(weight, arena.take(packed_shape(weight), weight.dtype)))
+    count = len(todo)
     if count:
         logger.info("batch-invariant linear kernels on %d weights (%s)", count,
                     "AMX bf16" if model.dtype == torch.bfloat16 else "fp32")

@@ -18,6 +18,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from tessera import memory
 from tessera.attention.backend import AttentionBackend, get_attention_backend
 from tessera.attention.metadata import AttentionMetadata
 from tessera.config import ModelConfig
@@ -143,12 +144,9 @@ class CausalLM(nn.Module, ABC):
         must stay finite.
         """
         dtype = dtype or self.dtype
-        caches = []
-        for layer in self.kv_layout():
-            shape = (num_blocks * block_size, layer.num_kv_heads, layer.head_dim)
-            caches.append((torch.zeros(shape, dtype=dtype, device=self.device),
-                           torch.zeros(shape, dtype=dtype, device=self.device)))
-        return caches
+        shapes = [(num_blocks * block_size, layer.num_kv_heads, layer.head_dim) for layer in self.kv_layout()]
+        arena = memory.Arena([(shape, dtype) for shape in shapes for _ in range(2)], self.device)  # huge pages
+        return [(arena.take(shape, dtype), arena.take(shape, dtype)) for shape in shapes]
 
     # ---- quantization slots ---------------------------------------------------------------
 

@@ -26,6 +26,7 @@ import logging
 
 import torch
 
+from tessera import memory
 from tessera.config import KV_CACHE_DTYPES, ModelConfig
 
 logger = logging.getLogger("tessera")
@@ -76,8 +77,10 @@ def allocate_kv_cache(model, num_blocks: int, block_size: int, kv_cache_dtype: s
     scale_shape = (slots, mc.num_kv_heads, 1)
     device = model.device
 
+    arena = memory.Arena([(shape, code_dtype)] * (2 * mc.num_layers), device)  # huge pages
+
     def layer() -> QuantizedKV:
-        return (torch.zeros(shape, dtype=code_dtype, device=device), torch.zeros(shape, dtype=code_dtype, device=device),
+        return (arena.take(shape, code_dtype), arena.take(shape, code_dtype),
                 torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=device),
                 torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=device))
 
