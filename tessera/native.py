@@ -71,6 +71,25 @@ def build_dir(name: str, sources: tuple[Path, ...] = (), defines: tuple[str, ...
     return path
 
 
+STALE_LOCK_S = 600  # a build takes about a minute; a lock this old was left by a killed build
+
+
+def clear_stale_lock(build_directory: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove cpp_extension's `lock` file when it is older than max_age_s: a build interrupted
+    (Ctrl-C, a killed test run) leaves it behind, and the next start would wait for it forever.
+    Returns whether one was removed."""
+    lock = Path(build_directory) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age_s:
+        return False
+    logger.warning("native extension build: removing a lock left %.0f s ago by an interrupted build (%s)", age, lock)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 @functools.cache
 def load_extension(name: str, sources: tuple[Path, ...], defines: tuple[str, ...] = ()) -> bool:
     """Build (or reuse) and load the op library `name`; True when its ops are registered.
@@ -81,6 +100,7 @@ def load_extension(name: str, sources: tuple[Path, ...], defines: tuple[str, ...
     from torch.utils import cpp_extension
 
     start = time.perf_counter()
+    clear_stale_lock(build_dir(name, sources, defines))
     try:
         cpp_extension.load(
             name=name,

@@ -73,6 +73,12 @@ class InvariantLinear(nn.Module):
             return ops.linear_amx(x, self.packed, bias, self.out_features)
         return ops.linear_f32(x, self.packed, bias, self.out_features)
 
+    def forward_float(self, x: torch.Tensor) -> torch.Tensor:
+        """forward(x).float() in one pass (the logits): bf16 values rounded as forward rounds them."""
+        if self.dtype == torch.bfloat16:
+            return kernels.ops().linear_amx(x, self.packed, None, self.out_features, True)
+        return self.forward(x)
+
     def weight_bytes(self) -> int:
         return self.packed.numel() * self.packed.element_size()
 

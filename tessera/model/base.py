@@ -125,9 +125,13 @@ class CausalLM(nn.Module, ABC):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] (only the rows to sample) -> logits [n, vocab] in float32."""
+        from tessera.kernels.linear import InvariantLinear
         from tessera.model.layers import linear
 
-        logits = linear(hidden, self.lm_head).float()
+        if isinstance(self.lm_head, InvariantLinear):
+            logits = self.lm_head.forward_float(hidden)  # no bf16 [n, vocab] to widen after
+        else:
+            logits = linear(hidden, self.lm_head).float()
         cap = self.config.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
 

@@ -54,6 +54,9 @@ def test_linear_matches_reference_and_is_row_invariant(dtype, shape):
     # The rows around it do not matter either.
     shuffled = torch.cat([torch.randn(3, k, generator=gen).to(dtype), x[5:6]])
     assert torch.equal(layer(shuffled, bias)[3], y[5])
+    # The logits' one-pass float output: exactly the rounded output widened.
+    wide = layer.forward_float(x)
+    assert wide.dtype == torch.float32 and torch.equal(wide, layer(x).float())
 
 
 def _naive_attention(q, k_cache, v_cache, slots, scale):

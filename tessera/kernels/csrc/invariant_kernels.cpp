@@ -69,6 +69,17 @@ inline void store_row_bf16(
   _mm256_mask_storeu_epi16(reinterpret_cast<void*>(out), mask, reinterpret_cast<__m256i&>(h));
 }
 
+// The same row rounded to bf16, then widened to fp32: exactly the bf16 output's .float(), without
+// a second pass over [M, N] (the logits: 32 x 49152 at a decode step).
+inline void store_row_bf16_as_f32(const float* c, const float* bias, float* out, int n) {
+  __mmask16 mask = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+  __m512 v = _mm512_loadu_ps(c);
+  if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias));
+  const __m256bh h = _mm512_cvtneps_pbh(v);
+  const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(h)), 16));
+  _mm512_mask_storeu_ps(out, mask, w);
+}
+
 constexpr int64_t kPrefetch = 8;  // B tiles (1 KiB each) ahead of the one being loaded
 
 inline void prefetch_tiles(const at::BFloat16* b0, const at::BFloat16* b1, int64_t ks) {
@@ -84,8 +95,9 @@ inline void prefetch_tiles(const at::BFloat16* b0, const at::BFloat16* b1, int64
 // Rows go 32 at a time (two A tiles share each B tile); a last group of at most 16 rows uses one
 // A tile and half the tile products. Either way a C tile row is its A row times B, summed over K
 // in the same order, so the grouping never changes a row's result.
+// out is bf16, or (out_f32 set instead) fp32 holding the bf16-rounded values.
 void amx_gemm(
-    const at::BFloat16* a, const at::BFloat16* b, const float* bias, at::BFloat16* out, int64_t m,
+    const at::BFloat16* a, const at::BFloat16* b, const float* bias, at::BFloat16* out, float* out_f32, int64_t m,
     int64_t mp, int64_t n, int64_t np, int64_t kp) {
   const int64_t n_pairs = np / 32, m_tiles = mp / 16, k_steps = kp / 32;
   const int64_t b_block = (kp / 2) * 32;  // bf16 elements of one 16-column block
@@ -138,8 +150,12 @@ void amx_gemm(
           const int64_t row0 = (mt + q / 2) * 16, col0 = (2 * np_i + q % 2) * 16;
           if (col0 >= n) continue;
           const int cols = static_cast<int>(std::min<int64_t>(16, n - col0));
-          for (int r = 0; r < 16 && row0 + r < m; ++r)
-            store_row_bf16(c[q] + r * 16, bias ? bias + col0 : nullptr, out + (row0 + r) * n + col0, cols);
+          for (int r = 0; r < 16 && row0 + r < m; ++r) {
+            if (out_f32)
+              store_row_bf16_as_f32(c[q] + r * 16, bias ? bias + col0 : nullptr, out_f32 + (row0 + r) * n + col0, cols);
+            else
+              store_row_bf16(c[q] + r * 16, bias ? bias + col0 : nullptr, out + (row0 + r) * n + col0, cols);
+          }
         }
       }
     }
@@ -148,7 +164,7 @@ void amx_gemm(
 }
 
 at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                      int64_t n) {
+                      int64_t n, bool f32_out) {
   TORCH_CHECK(amx_permitted(), "linear_amx: the kernel did not get AMX tile state from the OS");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "linear_amx: bf16 only");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2, "linear_amx: bad packed weight");
@@ -170,11 +186,12 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const c10::
     padded.narrow(0, 0, m).narrow(1, 0, k).copy_(rows);
     a_ptr = scratch.data();
   }
-  auto out = at::empty({m, n}, x.options());
+  auto out = at::empty({m, n}, x.options().dtype(f32_out ? at::kFloat : at::kBFloat16));
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) bias_f = bias->to(at::kFloat).contiguous();
   amx_gemm(a_ptr, packed.data_ptr<at::BFloat16>(), bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
-           out.data_ptr<at::BFloat16>(), m, mp, n, np, kp);
+           f32_out ? nullptr : out.data_ptr<at::BFloat16>(), f32_out ? out.data_ptr<float>() : nullptr, m, mp, n, np,
+           kp);
   auto shape = x.sizes().vec();
   shape.back() = n;
   return out.view(shape);
@@ -231,7 +248,7 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& wt, const c10::opti
 }  // namespace
 
 TORCH_LIBRARY(tessera_inv, m) {
-  m.def("linear_amx(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  m.def("linear_amx(Tensor x, Tensor packed, Tensor? bias, int n, bool f32_out=False) -> Tensor");
   m.def("linear_f32(Tensor x, Tensor wt, Tensor? bias, int n) -> Tensor");
 }
 

@@ -24,6 +24,9 @@
 // table entries may be block 0, released by the scheduler).
 // Quantized caches (int8 / float8_e4m3fn codes with an fp32 scale per slot and KV head) are
 // dequantized on load: key = float(code) * scale in fp32, the value tensor.dequantize gives.
+// On CPUs with AMX, bf16 caches take a second fixed arithmetic (amx_attend_item below: scores and
+// P.V as tile products over 256-key chunks); every row of every call on such a CPU takes it, so
+// the contract holds there too. `amx` = 0 keeps the AVX-512 arithmetic (tests compare both).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -679,7 +682,19 @@ void amx_attend_item(const Problem& pb, const int32_t* table, int tq, const int6
     if (njobs) amx_scores(jobs, njobs, row_stride * 2, ksteps);
     for (int64_t kvh = 0; kvh < hkv; ++kvh) {
       for (int i = 0; i < nks * 32; ++i) off[i] = slot[i] < 0 ? -1 : slot[i] * row_stride + kvh * D;
-      const float* cs = ws.cs.data() + kvh * nbt * kChunkTiles * 256;
+      float* cs = ws.cs.data() + kvh * nbt * kChunkTiles * 256;
+      // Many rows (a prefill item): transpose each C tile in place, so a row's 16 scores are one
+      // load; few rows (a decode): gather the row's column. The same values either way.
+      const bool transposed = tq * g > 8;
+      if (transposed)
+        for (int nb = 0; nb < nbt; ++nb)
+          for (int i = tf; i <= tl; ++i) {
+            float* tile = cs + (nb * kChunkTiles + i) * 256;
+            v16f rv[16];
+            for (int k = 0; k < 16; ++k) rv[k] = load16(tile + k * 16);
+            transpose16(rv);
+            for (int k = 0; k < 16; ++k) store16(tile + k * 16, rv[k]);
+          }
       for (int n = 0; n < nbt * 16; ++n) {
         // P row n of step ks: ws.pa[((n / 16) * nks + ks) * 512 + (n % 16) * 32 + key]
         at::BFloat16* prow = ws.pa.data() + (n / 16) * nks * 512 + (n % 16) * 32;
@@ -690,7 +705,8 @@ void amx_attend_item(const Problem& pb, const int32_t* table, int tq, const int6
           for (int i = tf; i <= tl; ++i) {
             const float first = static_cast<float>(lo[t] - (c0 + i * kLanes));
             const float end = static_cast<float>(hi[t] - (c0 + i * kLanes));
-            const v16f s = amx_column(cs + ((n / 16) * kChunkTiles + i) * 256, n % 16) * pb.scale;
+            const float* tile = cs + ((n / 16) * kChunkTiles + i) * 256;
+            const v16f s = (transposed ? load16(tile + (n % 16) * 16) : amx_column(tile, n % 16)) * pb.scale;
             sc[i] = (lane >= first) & (lane < end) ? s : splat(ninf);
             m = std::max(m, lane_max(sc[i]));
           }
