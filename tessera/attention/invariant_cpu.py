@@ -81,6 +81,12 @@ def _kernel_plan(metadata: AttentionMetadata) -> _KernelPlan:
                        ctxs[0] if len(ctxs) == 1 else torch.cat(ctxs))
 
 
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x [T, Hkv, d] whose every token's [Hkv, d] is one contiguous row (views into the fused qkv
+    output already are), as write_kv copies rows."""
+    return x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous()
+
+
 class InvariantCPUAttention(TorchCPUAttention):
     name = "invariant"
     supports_quantized_kv = True
@@ -104,8 +110,8 @@ class InvariantCPUAttention(TorchCPUAttention):
             write_quantized(kv_cache, k, v, metadata.slot_mapping, q.dtype)  # codes + scales; reads dequantize
         else:
             k_scales = v_scales = None
-            k_cache.index_copy_(0, metadata.slot_mapping, k)
-            v_cache.index_copy_(0, metadata.slot_mapping, v)
+            k, v = _rows_contiguous(k), _rows_contiguous(v)
+            kernels.ops().write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)  # one call, both caches
         plan = self._kernel_plan
         if plan is None or plan.metadata is not metadata:
             plan = self._kernel_plan = _kernel_plan(metadata)
