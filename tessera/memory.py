@@ -39,18 +39,22 @@ def _madvise():
     return fn
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """torch.zeros(shape, dtype), on huge pages where it is a large CPU buffer and Linux allows it."""
-    device = torch.device(device)
-    nbytes = _nbytes(shape, dtype)
+def _advised_empty(nbytes: int, device: torch.device) -> torch.Tensor:
+    """nbytes of untouched uint8 memory, its 2 MiB-aligned part advised for huge pages (a plain
+    torch.empty where that does not apply)."""
     madvise = _madvise() if device.type == "cpu" and nbytes >= MIN_BYTES else None
     if madvise is None:
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
     raw = torch.empty(nbytes + _HUGE, dtype=torch.uint8)  # not yet touched: no page is backed
     start = -raw.data_ptr() % _HUGE
     madvise(raw.data_ptr() + start, (nbytes // _HUGE) * _HUGE, _MADV_HUGEPAGE)  # a refusal only costs speed
-    out = raw[start : start + nbytes].view(dtype).view(shape)  # a view: it keeps `raw` alive
-    return out.zero_()
+    return raw[start : start + nbytes]  # a view: it keeps `raw` alive
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """torch.zeros(shape, dtype), on huge pages where it is a large CPU buffer and Linux allows it."""
+    device = torch.device(device)
+    return _advised_empty(_nbytes(shape, dtype), device).view(dtype).view(shape).zero_()
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -61,14 +65,16 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 
 class Arena:
-    """One zero-filled huge-page buffer carved into tensors: buffers too small for a huge page of
-    their own (a layer's weights, a small model's KV per layer) still get them together."""
+    """One huge-page buffer carved into zero-filled tensors: buffers too small for a huge page of
+    their own (a layer's weights, a small model's KV per layer) still get them together. Memory is
+    touched only as each tensor is taken, so packing weights into it one by one (freeing each
+    original) never holds two copies of the model."""
 
     ALIGN = 64  # each tensor starts on a cache line
 
     def __init__(self, sizes: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device | str = "cpu") -> None:
         total = sum(-(-_nbytes(shape, dtype) // self.ALIGN) * self.ALIGN for shape, dtype in sizes)
-        self._buffer = zeros((max(total, 1),), torch.uint8, device)
+        self._buffer = _advised_empty(max(total, 1), torch.device(device))
         self._at = 0
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -78,4 +84,4 @@ class Arena:
             raise ValueError(f"arena exhausted: {nbytes} bytes asked, {self._buffer.numel() - self._at} left")
         out = self._buffer[self._at : self._at + nbytes].view(dtype).view(shape)
         self._at += -(-nbytes // self.ALIGN) * self.ALIGN
-        return out
+        return out.zero_()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
@@ -49,3 +52,17 @@ def test_arena_hands_out_disjoint_aligned_zero_tensors():
     assert not parts[0].any() and not parts[2].any() and torch.equal(parts[1], torch.full((3,), 3.0))
     with pytest.raises(ValueError, match="arena exhausted"):
         arena.take((1,), torch.float32)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_an_arena_touches_memory_only_as_tensors_are_taken():
+    """Packing a model's weights into one arena must not hold a second full copy up front."""
+    def rss_mib():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    before = rss_mib()
+    arena = memory.Arena([((64 << 20,), torch.uint8)] * 4)  # 256 MiB
+    assert rss_mib() - before < 32
+    first = arena.take((64 << 20,), torch.uint8)
+    assert 48 < rss_mib() - before < 112 and not first.any()
