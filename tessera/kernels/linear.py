@@ -64,7 +64,7 @@ class InvariantLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         if out is None:
-            out = memory.zeros(packed_shape(weight), weight.dtype)
+            out = memory.zeros(packed_shape(weight), weight.dtype, huge=True)
         self.register_buffer("packed", _pack(weight.detach(), out), persistent=False)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -99,7 +99,7 @@ def make_linears_invariant(model: nn.Module) -> int:
         weight = getattr(owner, name)
         if isinstance(weight, torch.Tensor) and weight.device.type == "cpu" and supported(weight.dtype):
             todo.append((owner, name, weight))
-    arena = memory.Arena([(packed_shape(w), w.dtype) for _, _, w in todo])  # one huge-page buffer for all
+    arena = memory.Arena([(packed_shape(w), w.dtype) for _, _, w in todo], huge=True)  # streamed every step
     for owner, name, weight in todo:
         replace_weight(owner, name, InvariantLinear(weight, arena.take(packed_shape(weight), weight.dtype)))
     count = len(todo)

@@ -149,7 +149,7 @@ class CausalLM(nn.Module, ABC):
         """
         dtype = dtype or self.dtype
         shapes = [(num_blocks * block_size, layer.num_kv_heads, layer.head_dim) for layer in self.kv_layout()]
-        arena = memory.Arena([(shape, dtype) for shape in shapes for _ in range(2)], self.device)  # huge pages
+        arena = memory.Arena([(shape, dtype) for shape in shapes for _ in range(2)], self.device)  # resident as used
         return [(arena.take(shape, dtype), arena.take(shape, dtype)) for shape in shapes]
 
     # ---- quantization slots ---------------------------------------------------------------

@@ -77,7 +77,7 @@ def allocate_kv_cache(model, num_blocks: int, block_size: int, kv_cache_dtype: s
     scale_shape = (slots, mc.num_kv_heads, 1)
     device = model.device
 
-    arena = memory.Arena([(shape, code_dtype)] * (2 * mc.num_layers), device)  # huge pages
+    arena = memory.Arena([(shape, code_dtype)] * (2 * mc.num_layers), device)  # resident as used
 
     def layer() -> QuantizedKV:
         return (arena.take(shape, code_dtype), arena.take(shape, code_dtype),
