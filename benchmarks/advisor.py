@@ -134,6 +134,7 @@ def replay(engine: LLMEngine, trace: list[TraceRequest], slo: tuple[float, float
     outputs_by_id: dict[str, list[int]] = {}
     last_token: dict[str, float] = {}
     gaps: dict[str, list[float]] = {}
+    autopilot_s = 0.0  # time spent in the autopilot's own bookkeeping (on_step), part of the makespan
     i = 0
     while i < len(trace) or engine.has_unfinished_requests():
         now = time.monotonic()
@@ -147,7 +148,9 @@ def replay(engine: LLMEngine, trace: list[TraceRequest], slo: tuple[float, float
         outputs = recorder.step() if recorder is not None else engine.step()
         now = time.monotonic()
         if autopilot is not None:
+            t_ap = time.perf_counter()
             autopilot.on_step(outputs, engine.stats(), now)
+            autopilot_s += time.perf_counter() - t_ap
         for out in outputs:
             rid, new = out.request_id, len(out.outputs[0].delta_token_ids)
             if rid in last_token and new:
@@ -165,7 +168,7 @@ def replay(engine: LLMEngine, trace: list[TraceRequest], slo: tuple[float, float
     itls = [p for _, p, _ in results.values() if p is not None]
     return {"goodput": good / (end - start), "good": good, "n": len(results), "makespan_s": end - start,
             "ttft_p90_ms": percentile(ttfts, 90) * 1e3, "itl_p90_ms": percentile(itls, 90) * 1e3,
-            "hit_rate": engine.stats().prefix_cache_hit_rate,
+            "hit_rate": engine.stats().prefix_cache_hit_rate, "autopilot_s": autopilot_s,
             "outputs": [outputs_by_id[f"r{i}"] for i in range(len(trace))]}
 
 
@@ -251,6 +254,8 @@ def run_shape(shape: str, model: str, info, probe: StepCosts, costs_by_mode: dic
         print(f"   [{shape}] {kind} {name}: {row['goodput']:.2f} req/s, {row['good']}/{row['n']} good, "
               f"{time.perf_counter() - t0:.1f} s with the load", file=sys.stderr, flush=True)
         if ap is not None:
+            print(f"   [{shape}] autopilot bookkeeping: {row['autopilot_s'] * 1e3:.0f} ms of the "
+                  f"{row['makespan_s']:.2f} s makespan", file=sys.stderr, flush=True)
             row["changes"] = [f"{c.knob} {c.old}->{c.new} ({c.reason})" for c in ap.changes]
             row["decisions"] = [asdict(d) for d in ap.decisions()]
         if rows[i] is None or row["goodput"] > rows[i]["goodput"]:
