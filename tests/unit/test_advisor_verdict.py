@@ -55,3 +55,16 @@ def test_one_defaults_run_is_refused() -> None:
 def test_zero_defaults_goodput() -> None:
     assert defaults_verdict(0.0, [0.0, 0.0])["met"]
     assert defaults_verdict(0.5, [0.0, 0.0])["ratio"] == float("inf")
+
+
+def test_an_autopilot_equal_to_the_defaults_fails_a_third_of_the_runs() -> None:
+    # The threshold is the worse of two defaults runs, so with three identically distributed
+    # figures the autopilot is below both with probability exactly 1/3 (each of the three is
+    # equally likely to be the lowest). The docs quote this rate; check it on 30000 draws.
+    import random
+
+    rng = random.Random(0)
+    n = 30000
+    fails = sum(not defaults_verdict(rng.gauss(10, 0.3), [rng.gauss(10, 0.3), rng.gauss(10, 0.3)])["met"]
+                for _ in range(n))
+    assert abs(fails / n - 1 / 3) < 0.015  # 5 standard errors of a binomial at n=30000
