@@ -74,6 +74,9 @@ __attribute__((target("amx-tile"))) void configure_tiles() {
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
   }
+  // GCC does not see ldtilecfg read its operand and may drop the stores above without this
+  // (it did in paged_attention.cpp: SIGILL at the first tile instruction).
+  asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 
