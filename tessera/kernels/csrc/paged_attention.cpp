@@ -398,7 +398,7 @@ struct alignas(64) AmxConfig {
   uint8_t rows[16];
 };
 
-// Every tile 16 rows x 64 bytes: 0-3 C (fp32), 4, 5 and 7 keys / V pairs, 5 Q^T, 6 P rows.
+// Every tile 16 rows x 64 bytes: 0-3 C (fp32); scores: 4 keys, 5 Q^T; P.V: 6 P rows, 4, 5 and 7 V pairs.
 void amx_begin() {
   AmxConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));
