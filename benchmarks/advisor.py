@@ -296,8 +296,7 @@ def run_shape(shape: str, model: str, info, probe: StepCosts, costs_by_mode: dic
         t0 = time.perf_counter()
         row = _without_outputs(replay(engine, trace, slo, ap))
         print(f"   [{shape}] {kind} {name}: {row['goodput']:.2f} req/s, {row['good']}/{row['n']} good, "
-              f"{time.perf_counter() - t0:.1f} s with the load" + (" (warm-up, not scored)" if kind == "warmup" else ""),
-              file=sys.stderr, flush=True)
+              f"{time.perf_counter() - t0:.1f} s with the load", file=sys.stderr, flush=True)
         if ap is not None:
             print(f"   [{shape}] autopilot bookkeeping: {row['autopilot_s'] * 1e3:.0f} ms of the "
                   f"{row['makespan_s']:.2f} s makespan", file=sys.stderr, flush=True)
