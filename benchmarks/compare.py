@@ -41,6 +41,7 @@ from machine import cpu_name  # noqa: E402
 from throughput import make_prompts  # noqa: E402  (benchmarks/ is not a package)
 
 COMPETITORS = Path(os.environ.get("TESSERA_COMPETITORS", "/work/competitors"))
+VLLM_PYTHON = COMPETITORS / "vllm" / "bin" / "python"
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class Engine:
 
 def engines(args) -> dict[str, Engine]:
     me = sys.executable
-    vllm_py = str(COMPETITORS / "vllm" / "bin" / "python")
+    vllm_py = str(VLLM_PYTHON)
     llama_py = str(COMPETITORS / "llamacpp" / "bin" / "python")
     dt, q = args.dtype, args.gguf_type
     return {e.name: e for e in [
@@ -109,14 +110,15 @@ def vllm_preload(python: str) -> str:
     return ":".join(str(p) for p in libs if p.is_file())
 
 
-def env_for(e: Engine, threads: int) -> dict[str, str]:
+def env_for(engine: str, threads: int) -> dict[str, str]:
+    """The environment an engine's process runs in (by engine name; serve_compare.py's servers too)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    if e.name.startswith("vllm"):
+    if engine.startswith("vllm"):
         # Its default binds the model to one core and keeps the other for the front end.
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
-        if preload := vllm_preload(e.python):
+        if preload := vllm_preload(str(VLLM_PYTHON)):
             env["LD_PRELOAD"] = preload
     return env
 
@@ -127,7 +129,7 @@ def run_engine(e: Engine, workload: Path, args) -> dict:
     print(f"--- {e.name}: {' '.join(cmd)}", flush=True)
     t0 = time.perf_counter()
     try:
-        r = subprocess.run(cmd, env=env_for(e, args.threads), capture_output=True, text=True, timeout=args.timeout)
+        r = subprocess.run(cmd, env=env_for(e.name, args.threads), capture_output=True, text=True, timeout=args.timeout)
         rc, log = r.returncode, r.stdout + r.stderr
     except subprocess.TimeoutExpired as exc:
         rc, log = "timeout", f"killed after {args.timeout} s\n" + str(exc.stdout or "")[-2000:]

@@ -1,17 +1,18 @@
 """`tessera serve` against `vllm serve`, both measured by vLLM's own client (`vllm bench serve`).
 
-One command, so both servers share a machine state: for each engine, start its server with its
-defaults (vLLM: both cores bound, tcmalloc + libiomp5, as benchmarks/compare.py runs it), wait for
-/health, then run `vllm bench serve` (random dataset: --input-len-token prompts, exactly
---output-len tokens each with --ignore-eos, --num-prompts per rate, the client's default sampling)
-at each request rate of --rates, the client on the same cores as the server. Each rate gets prompts
-of its own (seed = the rate's index): with one seed every run after the first would be served from
-the prefix cache (both engines cache by default), which is how a "first-run penalty" shows up. Then Tessera's offline engine
-(`LLM.generate`) on the same shape, all requests at once, which is the reference for the server's
-overhead at rate inf. Prints output tokens/s, TTFT, TPOT and ITL (mean, p99) per engine and rate,
-Tessera over vLLM, and writes JSON (the client's result files included).
+One command, so both servers share a machine state: both start with their defaults (vLLM: both
+cores bound, tcmalloc + libiomp5, compare.py's `env_for`) and stay up; at each request rate of
+--rates, `vllm bench serve` (random dataset: --input-len-token prompts, exactly --output-len tokens
+each with --ignore-eos, --num-prompts a run, the client's default sampling; the client on the same
+cores) runs against one server and then the other, the first engine alternating, so a pair shares
+the VM's speed of that minute. Every run has prompts of its own (seed = the run's index): with one
+seed every run after the first would be served from the prefix cache (both engines cache by
+default), which is how a "first-run penalty" shows up. After each rate-inf pair, Tessera's offline
+engine (`LLM.generate`, a worker process loaded before the first run) does the same work on fresh
+prompts: the reference for the server's own overhead. Prints output tokens/s, TTFT, TPOT and ITL
+(mean, p99) per engine and run, Tessera over vLLM per pair, and writes JSON.
 
-    /tmp/tools/quiet .venv/bin/python benchmarks/serve_compare.py --rates 2,4,8,inf
+    /tmp/tools/quiet .venv/bin/python benchmarks/serve_compare.py --rates 2,4,8,inf,inf
 """
 
 from __future__ import annotations
@@ -31,10 +32,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from compare import COMPETITORS, vllm_preload  # noqa: E402  (benchmarks/ is not a package)
+from compare import COMPETITORS, VLLM_PYTHON, env_for  # noqa: E402  (benchmarks/ is not a package)
 from machine import cpu_name  # noqa: E402
 
-VLLM_PY = COMPETITORS / "vllm" / "bin" / "python"
 VLLM_CLI = HERE / "competitors" / "vllm_cli.py"
 NAME = "smollm2"  # the served model name both servers answer to
 METRICS = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms",
@@ -42,16 +42,12 @@ METRICS = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "
 
 
 def server_command(engine: str, port: int, args) -> tuple[list[str], dict[str, str]]:
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
+    env = env_for(engine, args.threads)
     port = str(port)
     if engine == "tessera":
         return [sys.executable, "-m", "tessera.cli", "serve", args.model, "--dtype", args.dtype, "--port", port,
                 "--served-model-name", NAME, "--uvicorn-log-level", "warning"], env
-    env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", VLLM_CPU_KVCACHE_SPACE="2")
-    if preload := vllm_preload(str(VLLM_PY)):
-        env["LD_PRELOAD"] = preload
-    return [str(VLLM_PY), str(VLLM_CLI), "serve", args.hf_folder, "--dtype", args.dtype, "--port", port,
+    return [str(VLLM_PYTHON), str(VLLM_CLI), "serve", args.hf_folder, "--dtype", args.dtype, "--port", port,
             "--served-model-name", NAME, "--max-model-len", "1024", "--seed", "0", "--uvicorn-log-level",
             "warning"], env
 
@@ -73,14 +69,13 @@ def wait_healthy(proc: subprocess.Popen, port: int, timeout: float) -> float:
 
 def bench(rate: str, seed: int, port: int, args, out_dir: Path) -> dict:
     name = f"rate_{seed}.json"
-    cmd = [str(VLLM_PY), str(VLLM_CLI), "bench", "serve", "--backend", "openai", "--endpoint", "/v1/completions",
+    cmd = [str(VLLM_PYTHON), str(VLLM_CLI), "bench", "serve", "--backend", "openai", "--endpoint", "/v1/completions",
            "--base-url", f"http://127.0.0.1:{port}", "--model", NAME, "--tokenizer", args.hf_folder,
            "--dataset-name", "random", "--random-input-len", str(args.input_len), "--random-output-len",
            str(args.output_len), "--num-prompts", str(args.num_prompts), "--request-rate", rate, "--ignore-eos",
            "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
            "--disable-tqdm", "--save-result", "--result-dir", str(out_dir), "--result-filename", name]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    r = subprocess.run(cmd, env=env_for("client", args.threads), capture_output=True, text=True, timeout=args.timeout)
     if r.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed at rate {rate}: {(r.stdout + r.stderr)[-1500:]}")
     return json.loads((out_dir / name).read_text())
@@ -152,13 +147,12 @@ def measure(servers: dict[str, Server], offline: subprocess.Popen | None, args) 
             if rate == "inf" and offline is not None:
                 offline.stdin.write(f"{1000 + seed}\n")
                 offline.stdin.flush()
-                line = offline.stdout.readline()
-                if not line:
+                if line := offline.stdout.readline():
+                    offline_runs.append({"seed": 1000 + seed, **json.loads(line)})
+                    print(f"    offline engine: {offline_runs[-1]['output_throughput']:.1f} out tok/s", flush=True)
+                else:
                     print("    the offline engine exited", flush=True)
                     offline = None
-                    continue
-                offline_runs.append({"seed": 1000 + seed, **json.loads(line)})
-                print(f"    offline engine: {offline_runs[-1]['output_throughput']:.1f} out tok/s", flush=True)
     return results, offline_runs
 
 
@@ -189,8 +183,7 @@ def start_offline(args) -> subprocess.Popen:
     cmd = [sys.executable, __file__, "--offline-worker", "--model", args.model, "--dtype", args.dtype,
            "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len), "--output-len",
            str(args.output_len)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, env=env_for("tessera", args.threads), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     if "ready" not in proc.stdout.readline():  # loaded and warmed before any server is measured
         raise RuntimeError("the offline engine did not start")
     return proc
@@ -254,8 +247,8 @@ def main() -> None:
     if args.offline_worker:
         return offline_worker(args)
     args.rates = [r.strip() for r in args.rates.split(",") if r.strip()]
-    if not VLLM_PY.exists():
-        sys.exit(f"{VLLM_PY} not found: vLLM's client runs in its venv (benchmarks/competitors/setup.sh)")
+    if not VLLM_PYTHON.exists():
+        sys.exit(f"{VLLM_PYTHON} not found: vLLM's client runs in its venv (benchmarks/competitors/setup.sh)")
 
     servers: dict[str, Server] = {}
     failed: dict[str, dict] = {}
