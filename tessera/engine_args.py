@@ -107,8 +107,9 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("num_threads", "--num-threads", "Torch intra-op threads (unset: torch's default).", type=int),
     EngineFlag("attention_backend", "--attention-backend", "Attention kernels: torch, triton, or auto (triton on "
                "CUDA, torch on CPU).", choices=("auto", "torch", "triton")),
-    EngineFlag("enforce_eager", "--enforce-eager", "vLLM's flag, accepted: the model step always runs eagerly "
-               "today (no compiled step or CUDA graphs yet).", boolean=True),
+    EngineFlag("enforce_eager", "--enforce-eager", "vLLM's flag: run the model step module by module (default: a "
+               "llama model on the CPU kernels runs its whole decoder stack as one native call; no CUDA graphs "
+               "yet).", boolean=True),
     EngineFlag("deterministic", "--deterministic", "Batch-invariant linears in float32 too (bf16 on AMX has them "
                "by default): same tokens whatever the batch, prefill GEMMs 1.5-1.7x slower.", boolean=True),
     EngineFlag("structured_outputs_backend", "--structured-outputs-backend", "Library that compiles JSON-schema, "

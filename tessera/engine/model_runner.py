@@ -8,6 +8,7 @@ per step, never once per layer.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,8 @@ from tessera.attention.metadata import AttentionMetadata, PrefillSpan
 from tessera.engine.request import Sequence
 from tessera.engine.swap import HostKVCache
 from tessera.quant.kv import allocate_kv_cache
+
+logger = logging.getLogger("tessera")
 
 
 def prepare_step_kernels(model: torch.nn.Module, config, dtype: torch.dtype) -> int:
@@ -36,7 +39,14 @@ def prepare_step_kernels(model: torch.nn.Module, config, dtype: torch.dtype) -> 
                              f"{str(dtype).removeprefix('torch.')} (bf16 needs AMX): use --dtype float32")
         return 0
     if dtype == torch.bfloat16 or config.deterministic:
-        return make_linears_invariant(model)
+        count = make_linears_invariant(model)
+        if not config.enforce_eager and hasattr(model, "native_stack"):
+            from tessera.model.native_stack import NativeStack
+
+            model.native_stack = NativeStack.build(model)
+            if model.native_stack is not None:
+                logger.info("decoder stack: one native call per step (--enforce-eager: the module path)")
+        return count
     return 0
 
 

@@ -107,6 +107,8 @@ class LlamaForCausalLM(CausalLM):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings, device
         )
+        # The whole decoder stack as one native call, where the engine built one (None: the modules).
+        self.native_stack = None
 
     @torch.inference_mode()
     def forward(
@@ -120,8 +122,12 @@ class LlamaForCausalLM(CausalLM):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for a model with {len(self.layers)} layers")
         self.attn_backend.begin_step(attn_metadata)
-        rope = self.rotary.at(positions, self.dtype)
         hidden = embedding(input_ids, self.embed_tokens)
+        if self.native_stack is not None:  # one native call for every layer (tessera/model/native_stack.py)
+            out = self.native_stack.forward(hidden, positions, kv_caches, attn_metadata)
+            if out is not None:
+                return out
+        rope = self.rotary.at(positions, self.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rope, kv_cache, attn_metadata)

@@ -1,0 +1,113 @@
+"""The decoder stack of a llama-family model as one native call per step (the CPU default).
+
+`NativeStack.build(model)` checks, once, that every layer is the plain Llama layer (fused qkv,
+optional qkv bias, no q/k norm, SwiGLU MLP, RMSNorm) on the batch-invariant CPU kernels
+(InvariantLinear weights, the invariant paged attention backend, the fused elementwise ops), and
+then holds the per-layer tensors in the order `tessera_inv::decoder_stack`
+(tessera/kernels/csrc/decoder_stack.cpp) takes them. `forward` runs a step through it, or
+returns None where a step needs what the kernel does not do (a quantized KV cache, no paged
+block size), and the module path runs as before.
+
+Why: the module path costs about 25 Python-level calls into torch per layer; one call for the
+whole stack removes them and changes no result (the same kernels, arguments and order: the
+tests compare the two bit for bit). `--enforce-eager` keeps the module path.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tessera import kernels
+from tessera.attention.invariant_cpu import _HEAD_DIMS, InvariantCPUAttention, _kernel_plan
+from tessera.attention.metadata import AttentionMetadata
+
+logger = logging.getLogger("tessera")
+
+
+class NativeStack:
+    def __init__(self, model, layer_tensors: list[torch.Tensor], biases: list[torch.Tensor | None],
+                 windows: list[int], eps: float, scale: float) -> None:
+        cfg = model.config
+        self.model = model
+        self.dtype = model.dtype
+        self.layer_tensors = layer_tensors
+        self.biases = biases
+        self.windows = windows
+        self.eps = eps
+        self.scale = scale
+        self.dims = [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size]
+
+    @classmethod
+    def build(cls, model) -> NativeStack | None:
+        """The stack for `model`, or None (with the reason logged at debug) where any layer is not
+        the plain shape on the invariant kernels."""
+        reason = _unsupported(model)
+        if reason:
+            logger.debug("decoder stack stays on the module path: %s", reason)
+            return None
+        tensors: list[torch.Tensor] = []
+        biases: list[torch.Tensor | None] = []
+        windows: list[int] = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            tensors += [layer.input_layernorm.weight, attn.qkv_proj.packed, attn.o_proj.packed,
+                        layer.post_attention_layernorm.weight, mlp.gate_up_proj.packed, mlp.down_proj.packed]
+            biases.append(attn.qkv_bias)
+            windows.append(attn.sliding_window or 0)
+        first = model.layers[0]
+        return cls(model, tensors, biases, windows, first.input_layernorm.eps, first.self_attn.scale)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+                metadata: AttentionMetadata) -> torch.Tensor | None:
+        """The final normed hidden states [T, hidden], or None: run the module path."""
+        if (metadata.block_size is None or hidden.dtype != self.dtype or not hidden.is_contiguous()
+                or positions.dtype != torch.long
+                or any(len(kv) != 2 or kv[0].dtype != self.dtype for kv in kv_caches)):
+            return None
+        rotary = self.model.rotary
+        rotary.at(positions, self.dtype)  # grows the fp32 tables past the longest position
+        plan = _kernel_plan(metadata)
+        kv = [t for pair in kv_caches for t in pair]
+        return kernels.ops().decoder_stack(
+            hidden, self.layer_tensors, self.biases, kv, self.model.norm.weight, rotary._cos, rotary._sin,
+            positions.contiguous(), metadata.slot_mapping, plan.block_tables, plan.token_row, plan.token_ctx,
+            self.dims, self.windows, metadata.block_size, self.scale, self.eps)
+
+
+def _unsupported(model) -> str | None:
+    """Why `model` cannot run on the native stack (None: it can)."""
+    from tessera.kernels.linear import InvariantLinear
+    from tessera.model.layers import RMSNorm, SwiGLUMLP
+    from tessera.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+
+    if not isinstance(model, LlamaForCausalLM) or type(model).forward is not LlamaForCausalLM.forward:
+        return f"{type(model).__name__} is not a plain llama model"
+    if model.dtype not in (torch.bfloat16, torch.float32) or not kernels.available():
+        return "no native kernels for this dtype"
+    probe = torch.empty(0, dtype=model.dtype)
+    if not kernels.fused(probe):
+        return "the fused elementwise kernels need AVX-512 bf16"
+    if type(model.attn_backend) is not InvariantCPUAttention or model.config.head_dim not in _HEAD_DIMS:
+        return "the attention backend is not the invariant CPU kernel"
+    if type(model.norm) is not RMSNorm or not model.layers:
+        return "no plain final RMSNorm"
+    eps = model.layers[0].input_layernorm.eps
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        if (type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or type(mlp) is not SwiGLUMLP
+                or attn.q_norm is not None):
+            return f"layer {i} is not the plain llama layer"
+        if type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm:
+            return f"layer {i} has another norm"
+        if {layer.input_layernorm.eps, layer.post_attention_layernorm.eps, model.norm.eps} != {eps}:
+            return "the norms' eps differ"
+        for w in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if type(w) is not InvariantLinear or w.dtype != model.dtype:
+                return f"layer {i} has a weight off the invariant linear kernel ({type(w).__name__})"
+        if attn.qkv_bias is not None and attn.qkv_bias.dtype != model.dtype:
+            return f"layer {i}'s qkv bias is not {model.dtype}"
+        if attn.backend is not model.attn_backend or attn.scale != model.layers[0].self_attn.scale:
+            return f"layer {i} has its own attention backend or scale"
+    return None
