@@ -1,9 +1,10 @@
 """The decoder stack of a llama-family model as one native call per step (the CPU default).
 
 `NativeStack.build(model)` checks, once, that every layer is the plain Llama layer (fused qkv,
-optional qkv bias, no q/k norm, SwiGLU MLP, RMSNorm) on the batch-invariant CPU kernels
-(InvariantLinear weights, the invariant paged attention backend, the fused elementwise ops), and
-then holds the per-layer tensors in the order `tessera_inv::decoder_stack`
+optional qkv bias, no q/k norm, SwiGLU MLP, RMSNorm) on the batch-invariant CPU kernels (float
+weights as InvariantLinear, quantized ones on their batch-invariant AMX kernel: int8, int4 and
+the GGUF modes' Q4_0/Q4_1/Q8_0/K-quant layers; the invariant paged attention backend; the fused
+elementwise ops), and then holds the per-layer tensors in the order `tessera_inv::decoder_stack`
 (tessera/kernels/csrc/decoder_stack.cpp) takes them. `forward` runs a step through it, or
 returns None where a step needs what the kernel does not do (a quantized KV cache, no paged
 block size), and the module path runs as before.
@@ -27,12 +28,14 @@ logger = logging.getLogger("tessera")
 
 
 class NativeStack:
-    def __init__(self, model, layer_tensors: list[torch.Tensor], biases: list[torch.Tensor | None],
-                 windows: list[int], eps: float, scale: float) -> None:
+    def __init__(self, model, norms: list[torch.Tensor], lin_tensors: list[torch.Tensor | None], lin_meta: list[int],
+                 biases: list[torch.Tensor | None], windows: list[int], eps: float, scale: float) -> None:
         cfg = model.config
         self.model = model
         self.dtype = model.dtype
-        self.layer_tensors = layer_tensors
+        self.norms = norms
+        self.lin_tensors = lin_tensors
+        self.lin_meta = lin_meta
         self.biases = biases
         self.windows = windows
         self.eps = eps
@@ -47,17 +50,23 @@ class NativeStack:
         if reason:
             logger.debug("decoder stack stays on the module path: %s", reason)
             return None
-        tensors: list[torch.Tensor] = []
+        norms: list[torch.Tensor] = []
+        lin_tensors: list[torch.Tensor | None] = []
+        lin_meta: list[int] = []
         biases: list[torch.Tensor | None] = []
         windows: list[int] = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            tensors += [layer.input_layernorm.weight, attn.qkv_proj.packed, attn.o_proj.packed,
-                        layer.post_attention_layernorm.weight, mlp.gate_up_proj.packed, mlp.down_proj.packed]
+            norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            for w in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                kind, fmt, tensors = _linear_spec(w)
+                lin_meta += [kind, fmt]
+                lin_tensors += tensors + [None] * (4 - len(tensors))
             biases.append(attn.qkv_bias)
             windows.append(attn.sliding_window or 0)
         first = model.layers[0]
-        return cls(model, tensors, biases, windows, first.input_layernorm.eps, first.self_attn.scale)
+        return cls(model, norms, lin_tensors, lin_meta, biases, windows, first.input_layernorm.eps,
+                   first.self_attn.scale)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 metadata: AttentionMetadata) -> torch.Tensor | None:
@@ -71,9 +80,36 @@ class NativeStack:
         plan = _kernel_plan(metadata)
         kv = [t for pair in kv_caches for t in pair]
         return kernels.ops().decoder_stack(
-            hidden, self.layer_tensors, self.biases, kv, self.model.norm.weight, rotary._cos, rotary._sin,
+            hidden, self.norms, self.lin_tensors, self.lin_meta, self.biases, kv, self.model.norm.weight, rotary._cos, rotary._sin,
             positions.contiguous(), metadata.slot_mapping, plan.block_tables, plan.token_row, plan.token_ctx,
             self.dims, self.windows, metadata.block_size, self.scale, self.eps)
+
+
+def _linear_spec(w) -> tuple[int, int, list[torch.Tensor | None]]:
+    """(kind, format, tensors) of a linear as decoder_stack.cpp takes it (its header lists the
+    kinds), or kind -1: no batch-invariant kernel the stack knows."""
+    from tessera.kernels.linear import InvariantLinear
+    from tessera.quant import invariant
+    from tessera.quant.gguf_kquant import GGUFBlockLinear
+    from tessera.quant.gguf_native import Q8_0Linear
+    from tessera.quant.gguf_tiles import KIND
+    from tessera.quant.int4 import Int4Linear
+    from tessera.quant.int8 import Int8Linear
+
+    kind = type(w)
+    if kind is InvariantLinear:
+        return (0 if w.dtype == torch.bfloat16 else 1), 0, [w.packed]
+    if not getattr(w, "invariant", False):
+        return -1, 0, []
+    if kind is Int4Linear:
+        return 2, invariant.INT4, [w.tiles, w.tile_scale, w.tile_zero]
+    if kind is Int8Linear:
+        return 2, invariant.INT8, [w.tiles, w.scale]
+    if kind is Q8_0Linear:
+        return 2, invariant.Q8_0, [w.tiles, w.tile_d]
+    if kind is GGUFBlockLinear and w.qtype in KIND:
+        return 3, KIND[w.qtype], [w.tile_codes, w.tile_planes, w.tile_sup, w.tile_sub]
+    return -1, 0, []
 
 
 def _unsupported(model) -> str | None:
@@ -104,8 +140,8 @@ def _unsupported(model) -> str | None:
         if {layer.input_layernorm.eps, layer.post_attention_layernorm.eps, model.norm.eps} != {eps}:
             return "the norms' eps differ"
         for w in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if type(w) is not InvariantLinear or w.dtype != model.dtype:
-                return f"layer {i} has a weight off the invariant linear kernel ({type(w).__name__})"
+            if _linear_spec(w)[0] < 0 or (type(w) is InvariantLinear and w.dtype != model.dtype):
+                return f"layer {i} has a weight off the batch-invariant kernels ({type(w).__name__})"
         if attn.qkv_bias is not None and attn.qkv_bias.dtype != model.dtype:
             return f"layer {i}'s qkv bias is not {model.dtype}"
         if attn.backend is not model.attn_backend or attn.scale != model.layers[0].self_attn.scale:

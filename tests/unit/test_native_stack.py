@@ -95,6 +95,18 @@ def test_native_stack_forward_equals_modules_on_a_mixed_step(tiny_model_factory)
         assert hidden.dtype == reference.dtype and torch.equal(hidden, reference)
 
 
+@pytest.mark.skipif(not kernels.cpu_has_amx_bf16(), reason="the batch-invariant quantized kernels need AMX")
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_native_stack_equals_modules_quantized(tiny_model_factory, quantization):
+    path = tiny_model_factory(hidden_size=128, intermediate_size=256)
+    kw = dict(quantization=quantization, quant_group_size=32, max_num_batched_tokens=32)
+    native, engine = _run(path, "bfloat16", eager=False, **kw)
+    assert engine.runner.model.native_stack is not None
+    assert set(engine.runner.model.native_stack.lin_meta[::2]) == {2}  # every linear on tessera_qgemm.qgemm
+    eager, _ = _run(path, "bfloat16", eager=True, **kw)
+    assert native == eager
+
+
 def test_quantized_kv_takes_the_module_path(tiny_model_factory):
     dtype = _dtypes()[0]
     engine = LLMEngine(EngineConfig(model=str(tiny_model_factory()), dtype=dtype, deterministic=dtype == "float32",

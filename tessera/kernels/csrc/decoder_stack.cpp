@@ -8,12 +8,17 @@
 // looked up once), with the same arguments in the same order, so every result is bit for bit
 // the module path's: the tests compare the two. The profiler still sees each op.
 //
-// Inputs (tessera/model/native_stack.py builds them): per layer six tensors in `layer_tensors`
-// (input norm weight, qkv packed weight, o packed weight, post-attention norm weight, gate_up and
-// down packed weights: the InvariantLinear buffers), an optional qkv bias per layer, the KV cache
-// pair per layer in `kv`, and the step's rotary tables, slots and attention plan (the tensors
-// tessera/attention/invariant_cpu.py's _kernel_plan makes). dims = (heads, kv heads, head_dim,
-// hidden, intermediate); windows = each layer's sliding window (0 = none).
+// Inputs (tessera/model/native_stack.py builds them): per layer the two norm weights in `norms`;
+// per linear (qkv, o, gate_up, down of each layer) four tensor slots in `lin_tensors` and two
+// ints in `lin_meta` (kind, format), kinds:
+//   0 bf16 InvariantLinear: linear_amx(x, packed)          1 fp32 InvariantLinear: linear_f32(x, wt)
+//   2 tessera_qgemm::qgemm(x, codes, scale, zero?, format)  3 tessera_qgemm::kqgemm(x, codes, planes,
+//     sup, sub?, format) -- the quantized modules' batch-invariant kernels; their bias is added
+//     after the product (QuantLinear does `y + bias`), a float linear's inside it;
+// an optional qkv bias per layer, the KV cache pair per layer in `kv`, and the step's rotary
+// tables, slots and attention plan (the tensors tessera/attention/invariant_cpu.py's _kernel_plan
+// makes). dims = (heads, kv heads, head_dim, hidden, intermediate); windows = each layer's
+// sliding window (0 = none).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -30,7 +35,24 @@ c10::TypedOperatorHandle<Fn> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
 }
 
-at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList layer_tensors, const c10::List<OptTensor>& qkv_bias,
+// The quantized kernels live in another library (tessera_qgemm), loaded only in quantized
+// modes: look them up at their first use.
+at::Tensor quant_linear(const at::Tensor& x, const c10::List<OptTensor>& t, int64_t i, int64_t kind, int64_t fmt,
+                        int64_t n) {
+  const auto get = [&](int64_t j) { return t.get(i + j); };
+  if (kind == 2) {
+    static const auto qgemm = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
+                                            int64_t, int64_t, int64_t)>("tessera_qgemm::qgemm");
+    return qgemm.call(x, *get(0), *get(1), get(2), fmt, n, x.size(1));
+  }
+  TORCH_CHECK(kind == 3, "decoder_stack: unknown linear kind ", kind);
+  static const auto kqgemm = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                           const OptTensor&, int64_t, int64_t, int64_t)>("tessera_qgemm::kqgemm");
+  return kqgemm.call(x, *get(0), *get(1), *get(2), get(3), fmt, n, x.size(1));
+}
+
+at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c10::List<OptTensor>& lin_tensors,
+                         at::IntArrayRef lin_meta, const c10::List<OptTensor>& qkv_bias,
                          at::TensorList kv, const at::Tensor& final_norm, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& block_tables,
                          const at::Tensor& token_row, const at::Tensor& token_ctx, at::IntArrayRef dims,
@@ -54,36 +76,43 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList layer_tensors,
   TORCH_CHECK(dims.size() == 5, "decoder_stack: dims = (heads, kv_heads, head_dim, hidden, intermediate)");
   const int64_t h = dims[0], hkv = dims[1], d = dims[2], hidden_size = dims[3], inter = dims[4];
   const int64_t layers = static_cast<int64_t>(windows.size());
-  TORCH_CHECK(static_cast<int64_t>(layer_tensors.size()) == 6 * layers && static_cast<int64_t>(kv.size()) == 2 * layers &&
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers && static_cast<int64_t>(lin_tensors.size()) == 16 * layers &&
+                  static_cast<int64_t>(lin_meta.size()) == 8 * layers && static_cast<int64_t>(kv.size()) == 2 * layers &&
                   static_cast<int64_t>(qkv_bias.size()) == layers,
-              "decoder_stack: 6 tensors, a bias slot, a K/V pair and a window per layer");
+              "decoder_stack: per layer 2 norms, 4 linears (4 tensor slots, kind and format each), a bias slot, "
+              "a K/V pair and a window");
   TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_size && hidden.is_contiguous(),
               "decoder_stack: hidden must be contiguous [T, ", hidden_size, "]");
   const bool bf16 = hidden.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || hidden.scalar_type() == at::kFloat, "decoder_stack: bf16 (AMX) or float32 hidden states");
-  auto linear = [&](const at::Tensor& x, const at::Tensor& w, const OptTensor& bias, int64_t n) {
-    return bf16 ? amx.call(x, w, bias, n, false) : f32.call(x, w, bias, n);
+  // Linear j (0 qkv, 1 o, 2 gate_up, 3 down) of layer l.
+  auto linear = [&](int64_t l, int64_t j, const at::Tensor& x, const OptTensor& bias, int64_t n) {
+    const int64_t li = 4 * l + j, kind = lin_meta[2 * li], fmt = lin_meta[2 * li + 1];
+    if (kind == 0) return amx.call(x, *lin_tensors.get(4 * li), bias, n, false);
+    if (kind == 1) return f32.call(x, *lin_tensors.get(4 * li), bias, n);
+    at::Tensor y = quant_linear(x, lin_tensors, 4 * li, kind, fmt, n);
+    return bias.has_value() ? y + *bias : y;
   };
   const int64_t tokens = hidden.size(0), qkv_n = (h + 2 * hkv) * d;
   const OptTensor none;
   at::Tensor x = hidden, residual;
   for (int64_t l = 0; l < layers; ++l) {
-    const at::Tensor* w = layer_tensors.data() + 6 * l;
+    const at::Tensor* w = norms.data() + 2 * l;
     at::Tensor normed;
     // The first layer's residual is its input (add_rms_norm without one returns x as the sum).
     std::tie(normed, residual) = norm.call(x, l == 0 ? none : OptTensor(residual), w[0], eps);
     const OptTensor bias = qkv_bias.get(l);
-    const at::Tensor qkv = linear(normed, w[1], bias, qkv_n);
+    const at::Tensor qkv = linear(l, 0, normed, bias, qkv_n);
     const at::Tensor qk = rotary.call(qkv, cos, sin, positions, h + hkv, d);  // [T, h + hkv, d]
     const at::Tensor k = qk.narrow(1, h, hkv), v = qkv.narrow(1, (h + hkv) * d, hkv * d).view({tokens, hkv, d});
     at::Tensor k_cache = kv[2 * l], v_cache = kv[2 * l + 1];
     write_kv.call(k, v, k_cache, v_cache, slots);
     const at::Tensor attn = attention.call(qk.narrow(1, 0, h), k_cache, v_cache, block_tables, token_row, token_ctx,
                                            block_size, scale, windows[l], none, none, -1);
-    const at::Tensor o = linear(attn, w[2], none, hidden_size);
-    std::tie(normed, residual) = norm.call(o, OptTensor(residual), w[3], eps);
-    const at::Tensor gate_up = linear(normed, w[4], none, 2 * inter);
-    x = linear(silu_mul.call(gate_up), w[5], none, hidden_size);
+    const at::Tensor o = linear(l, 1, attn, none, hidden_size);
+    std::tie(normed, residual) = norm.call(o, OptTensor(residual), w[1], eps);
+    const at::Tensor gate_up = linear(l, 2, normed, none, 2 * inter);
+    x = linear(l, 3, silu_mul.call(gate_up), none, hidden_size);
   }
   return std::get<0>(norm.call(x, layers ? OptTensor(residual) : none, final_norm, eps));
 }
@@ -91,7 +120,7 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList layer_tensors,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tessera_inv, m) {
-  m.def("decoder_stack(Tensor hidden, Tensor[] layer_tensors, Tensor?[] qkv_bias, Tensor[] kv, Tensor final_norm, "
+  m.def("decoder_stack(Tensor hidden, Tensor[] norms, Tensor?[] lin_tensors, int[] lin_meta, Tensor?[] qkv_bias, Tensor[] kv, Tensor final_norm, "
         "Tensor cos, Tensor sin, Tensor positions, Tensor slots, Tensor block_tables, Tensor token_row, "
         "Tensor token_ctx, int[] dims, int[] windows, int block_size, float scale, float eps) -> Tensor");
 }
