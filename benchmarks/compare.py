@@ -61,6 +61,8 @@ def engines(args) -> dict[str, Engine]:
     return {e.name: e for e in [
         Engine("tessera", me, "run_tessera.py", ("--quantization", "none", "--dtype", dt),
                f"{dt} ({q} dequantized at load), {dt} KV"),
+        Engine("tessera-eager", me, "run_tessera.py", ("--quantization", "none", "--dtype", dt, "--enforce-eager"),
+               f"{dt} as tessera, --enforce-eager (the module path, no native decoder stack)"),
         Engine("tessera-gguf", me, "run_tessera.py", ("--quantization", "gguf", "--dtype", dt),
                f"{q} blocks kept (--quantization gguf), {dt} activations and KV"),
         Engine("transformers", me, "run_transformers.py", ("--dtype", dt, "--static-batch", str(args.num_requests)),

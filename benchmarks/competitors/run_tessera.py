@@ -19,6 +19,7 @@ def main() -> None:
     ap.add_argument("--quantization", default="none")
     ap.add_argument("--quantize-lm-head", action="store_true")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--enforce-eager", action="store_true", help="the module path (no native decoder stack)")
     args = ap.parse_args()
     w = load_workload(args.workload)
 
@@ -30,7 +31,7 @@ def main() -> None:
 
         with Timer() as load:
             llm = LLM(w["gguf_q4_1"], dtype=args.dtype, quantization=args.quantization,
-                      quantize_lm_head=args.quantize_lm_head,
+                      quantize_lm_head=args.quantize_lm_head, enforce_eager=args.enforce_eager,
                       max_num_batched_tokens=512, max_num_seqs=64, num_threads=w["threads"])
         dtype = str(llm.engine.dtype).removeprefix("torch.")
 
