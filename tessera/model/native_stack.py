@@ -80,8 +80,9 @@ class NativeStack:
         plan = _kernel_plan(metadata)
         kv = [t for pair in kv_caches for t in pair]
         return kernels.ops().decoder_stack(
-            hidden, self.norms, self.lin_tensors, self.lin_meta, self.biases, kv, self.model.norm.weight, rotary._cos, rotary._sin,
-            positions.contiguous(), metadata.slot_mapping, plan.block_tables, plan.token_row, plan.token_ctx,
+            hidden, self.norms, self.lin_tensors, self.lin_meta, self.biases, kv, self.model.norm.weight,
+            rotary._cos, rotary._sin, positions.contiguous(), metadata.slot_mapping,
+            plan.block_tables, plan.token_row, plan.token_ctx,
             self.dims, self.windows, metadata.block_size, self.scale, self.eps)
 
 
