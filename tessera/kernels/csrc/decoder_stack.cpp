@@ -120,9 +120,11 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tessera_inv, m) {
-  m.def("decoder_stack(Tensor hidden, Tensor[] norms, Tensor?[] lin_tensors, int[] lin_meta, Tensor?[] qkv_bias, Tensor[] kv, Tensor final_norm, "
-        "Tensor cos, Tensor sin, Tensor positions, Tensor slots, Tensor block_tables, Tensor token_row, "
-        "Tensor token_ctx, int[] dims, int[] windows, int block_size, float scale, float eps) -> Tensor");
+  // kv is written (each layer's write_kv), so the schema says so.
+  m.def("decoder_stack(Tensor hidden, Tensor[] norms, Tensor?[] lin_tensors, int[] lin_meta, Tensor?[] qkv_bias, "
+        "Tensor(a!)[] kv, Tensor final_norm, Tensor cos, Tensor sin, Tensor positions, Tensor slots, "
+        "Tensor block_tables, Tensor token_row, Tensor token_ctx, int[] dims, int[] windows, int block_size, "
+        "float scale, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tessera_inv, CPU, m) {
