@@ -99,6 +99,14 @@ class InvariantCPUAttention(TorchCPUAttention):
         super().begin_step(metadata)
         self._kernel_plan = None
 
+    def kernel_plan(self, metadata: AttentionMetadata) -> _KernelPlan:
+        """The kernel's tables for this step, built once and shared by every layer (and by the
+        native decoder stack, tessera/model/native_stack.py)."""
+        plan = self._kernel_plan
+        if plan is None or plan.metadata is not metadata:
+            plan = self._kernel_plan = _kernel_plan(metadata)
+        return plan
+
     def forward(self, layer_idx, q, k, v, kv_cache, metadata, scale, sliding_window=None):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         quantized = is_quantized(kv_cache)
@@ -112,9 +120,7 @@ class InvariantCPUAttention(TorchCPUAttention):
             k_scales = v_scales = None
             k, v = _rows_contiguous(k), _rows_contiguous(v)
             kernels.ops().write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)  # one call, both caches
-        plan = self._kernel_plan
-        if plan is None or plan.metadata is not metadata:
-            plan = self._kernel_plan = _kernel_plan(metadata)
+        plan = self.kernel_plan(metadata)
         return kernels.ops().paged_attention(q, k_cache, v_cache, plan.block_tables, plan.token_row,
                                              plan.token_ctx, metadata.block_size, scale, sliding_window or 0,
                                              k_scales, v_scales, AMX)

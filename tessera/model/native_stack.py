@@ -21,7 +21,7 @@ import logging
 import torch
 
 from tessera import kernels
-from tessera.attention.invariant_cpu import _HEAD_DIMS, InvariantCPUAttention, _kernel_plan
+from tessera.attention.invariant_cpu import _HEAD_DIMS, InvariantCPUAttention
 from tessera.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger("tessera")
@@ -77,7 +77,7 @@ class NativeStack:
             return None
         rotary = self.model.rotary
         rotary.at(positions, self.dtype)  # grows the fp32 tables past the longest position
-        plan = _kernel_plan(metadata)
+        plan = self.model.attn_backend.kernel_plan(metadata)
         kv = [t for pair in kv_caches for t in pair]
         return kernels.ops().decoder_stack(
             hidden, self.norms, self.lin_tensors, self.lin_meta, self.biases, kv, self.model.norm.weight,
