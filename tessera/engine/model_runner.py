@@ -36,7 +36,7 @@ def prepare_step_kernels(model: torch.nn.Module, config, dtype: torch.dtype) -> 
     if not supported(dtype):
         if config.deterministic:
             raise ValueError(f"--deterministic needs the batch-invariant kernels, which this CPU has not for "
-                             f"{str(dtype).removeprefix('torch.')} (bf16 needs AMX): use --dtype float32")
+                             f"{str(dtype).removeprefix('torch.')} (bf16 needs AVX-512 BF16 or AMX): use --dtype float32")
         return 0
     if dtype == torch.bfloat16 or config.deterministic:
         count = make_linears_invariant(model)

@@ -1,7 +1,8 @@
 """Batch-invariant float linear layers: the model's weights packed once for the C++ kernels.
 
 `InvariantLinear` computes `x @ W.T (+ bias)` with the kernels of `csrc/invariant_kernels.cpp`:
-bf16 on AMX tiles (VNNI-packed weight), float32 with fixed-order FMA chains (transposed weight).
+bf16 on AMX tiles where the CPU has them, else AVX-512 BF16 dot products (Zen 4/5), both on the
+same VNNI-packed weight; float32 with fixed-order FMA chains (transposed weight).
 A row's result never depends on how many rows share the call, so a token's logits are the same
 alone, in a batch, in a prefill chunk of any size or from the prefix cache.
 
@@ -43,12 +44,22 @@ def _pack(weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# The bf16 kernel's arithmetic: -1 the machine's (AMX where it has it), 0 AVX-512 BF16, 1 AMX.
+# Only tests change it (to run both where the CPU has both): the engine keeps one per machine.
+BF16_ARITHMETIC = -1
+
+
+def bf16_arithmetic() -> str:
+    """Which of the two bf16 arithmetics this machine's linears take (they round differently)."""
+    return "AMX bf16" if kernels.cpu_has_amx_bf16() else "AVX-512 bf16"
+
+
 def supported(dtype: torch.dtype) -> bool:
     """Whether an invariant kernel exists here for weights and activations of `dtype`."""
     if not kernels.available():
         return False
     if dtype == torch.bfloat16:
-        return kernels.cpu_has_amx_bf16()
+        return kernels.cpu_has_avx512_bf16()  # AMX where the CPU has it, else AVX-512 BF16
     return dtype == torch.float32
 
 
@@ -70,13 +81,13 @@ class InvariantLinear(nn.Module):
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         ops = kernels.ops()
         if self.dtype == torch.bfloat16:
-            return ops.linear_amx(x, self.packed, bias, self.out_features)
+            return ops.linear_bf16(x, self.packed, bias, self.out_features, False, BF16_ARITHMETIC)
         return ops.linear_f32(x, self.packed, bias, self.out_features)
 
     def forward_float(self, x: torch.Tensor) -> torch.Tensor:
         """forward(x).float() in one pass (the logits): bf16 values rounded as forward rounds them."""
         if self.dtype == torch.bfloat16:
-            return kernels.ops().linear_amx(x, self.packed, None, self.out_features, True)
+            return kernels.ops().linear_bf16(x, self.packed, None, self.out_features, True, BF16_ARITHMETIC)
         return self.forward(x)
 
     def weight_bytes(self) -> int:
@@ -105,5 +116,5 @@ def make_linears_invariant(model: nn.Module) -> int:
     count = len(todo)
     if count:
         logger.info("batch-invariant linear kernels on %d weights (%s)", count,
-                    "AMX bf16" if model.dtype == torch.bfloat16 else "fp32")
+                    bf16_arithmetic() if model.dtype == torch.bfloat16 else "fp32")
     return count

@@ -11,12 +11,21 @@ from tessera import kernels
 from tessera.attention import invariant_cpu
 from tessera.attention.invariant_cpu import InvariantCPUAttention
 from tessera.attention.metadata import AttentionMetadata, PrefillSpan, slots_for_positions
+from tessera.kernels import linear
 from tessera.kernels.linear import InvariantLinear, supported
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the C++ kernels did not build here")
 
 DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    not supported(torch.bfloat16), reason="bf16 invariant linear needs AMX"))]
+    not supported(torch.bfloat16), reason="bf16 invariant linear needs AVX-512 BF16 or AMX"))]
+
+# The bf16 linear's two arithmetics (tessera.kernels.linear.BF16_ARITHMETIC): AVX-512 BF16 dot
+# products, and AMX tiles where the CPU has them. Float32 has one.
+LINEAR_CASES = [(torch.float32, -1),
+                pytest.param(torch.bfloat16, 0, id="bf16-avx512", marks=pytest.mark.skipif(
+                    not supported(torch.bfloat16), reason="bf16 invariant linear needs AVX-512 BF16")),
+                pytest.param(torch.bfloat16, 1, id="bf16-amx", marks=pytest.mark.skipif(
+                    not kernels.cpu_has_amx_bf16(), reason="the AMX linear needs a CPU with AMX"))]
 
 # The attention kernel's two arithmetics: AVX-512 everywhere, AMX tiles for bf16 where the CPU has them.
 ARITHMETICS = ["avx512", pytest.param("amx", marks=pytest.mark.skipif(
@@ -31,15 +40,16 @@ def _use_arithmetic(monkeypatch, arithmetic, applies):
     monkeypatch.setattr(invariant_cpu, "AMX", 1 if arithmetic == "amx" else 0)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(96, 64), (100, 40), (1728, 576), (33, 70)])
-def test_linear_matches_reference_and_is_row_invariant(dtype, shape):
+@pytest.mark.parametrize(("dtype", "arithmetic"), LINEAR_CASES)
+@pytest.mark.parametrize("shape", [(96, 64), (100, 40), (1728, 576), (33, 70), (50, 33)])
+def test_linear_matches_reference_and_is_row_invariant(dtype, arithmetic, shape, monkeypatch):
+    monkeypatch.setattr(linear, "BF16_ARITHMETIC", arithmetic)
     gen = torch.Generator().manual_seed(0)
     n, k = shape
     weight = torch.randn(n, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype)
-    # 300 rows: bf16 takes the prefill kernel (A in tile order, 128-row tasks, a last 16-row
-    # group with one A tile); 32 rows or fewer take the decode kernel. A row's bits must not care.
+    # 300 rows: AMX runs 32-row groups and a last 16-row group with one A tile, AVX-512 96-row
+    # tasks of 6-row register tiles and a shorter last tile. A row's bits must not care.
     x = torch.randn(300, k, generator=gen).to(dtype)
     layer = InvariantLinear(weight)
     y = layer(x, bias)

@@ -11,7 +11,7 @@
 // Inputs (tessera/model/native_stack.py builds them): per layer the two norm weights in `norms`;
 // per linear (qkv, o, gate_up, down of each layer) four tensor slots in `lin_tensors` and two
 // ints in `lin_meta` (kind, format), kinds:
-//   0 bf16 InvariantLinear: linear_amx(x, packed)          1 fp32 InvariantLinear: linear_f32(x, wt)
+//   0 bf16 InvariantLinear: linear_bf16(x, packed)         1 fp32 InvariantLinear: linear_f32(x, wt)
 //   2 tessera_qgemm::qgemm(x, codes, scale, zero?, format)  3 tessera_qgemm::kqgemm(x, codes, planes,
 //     sup, sub?, format) -- the quantized modules' batch-invariant kernels; their bias is added
 //     after the product (QuantLinear does `y + bias`), a float linear's inside it;
@@ -59,8 +59,8 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
                          at::IntArrayRef windows, int64_t block_size, double scale, double eps) {
   static const auto norm = op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptTensor&,
                                                                  const at::Tensor&, double)>("tessera_inv::add_rms_norm");
-  static const auto amx = op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t, bool)>(
-      "tessera_inv::linear_amx");
+  static const auto bf16_linear = op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t, bool,
+                                                int64_t)>("tessera_inv::linear_bf16");
   static const auto f32 = op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t)>(
       "tessera_inv::linear_f32");
   static const auto rotary = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -84,11 +84,11 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
   TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_size && hidden.is_contiguous(),
               "decoder_stack: hidden must be contiguous [T, ", hidden_size, "]");
   const bool bf16 = hidden.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || hidden.scalar_type() == at::kFloat, "decoder_stack: bf16 (AMX) or float32 hidden states");
+  TORCH_CHECK(bf16 || hidden.scalar_type() == at::kFloat, "decoder_stack: bf16 or float32 hidden states");
   // Linear j (0 qkv, 1 o, 2 gate_up, 3 down) of layer l.
   auto linear = [&](int64_t l, int64_t j, const at::Tensor& x, const OptTensor& bias, int64_t n) {
     const int64_t li = 4 * l + j, kind = lin_meta[2 * li], fmt = lin_meta[2 * li + 1];
-    if (kind == 0) return amx.call(x, *lin_tensors.get(4 * li), bias, n, false);
+    if (kind == 0) return bf16_linear.call(x, *lin_tensors.get(4 * li), bias, n, false, -1);
     if (kind == 1) return f32.call(x, *lin_tensors.get(4 * li), bias, n);
     at::Tensor y = quant_linear(x, lin_tensors, 4 * li, kind, fmt, n);
     return bias.has_value() ? y + *bias : y;

@@ -5,8 +5,11 @@
 // state rounds differently in a batch of 1, 17 or 512 rows; in bf16 that flips greedy tokens
 // (a prefix-cache hit answered differently from a miss). Here every output element is reduced
 // in one fixed order whatever M is:
-//   * linear_amx:  bf16 x bf16 -> fp32 on AMX tiles, K walked in 32-wide steps in order, rows
-//                  independent (a tile row of C depends only on the same row of A).
+//   * linear_bf16: bf16 x bf16 -> fp32, one of two arithmetics per machine: AMX tiles where the
+//                  CPU has them (K walked in 32-wide steps in order, a tile row of C depends only
+//                  on the same row of A), else AVX-512 BF16 dot products (Zen 4/5: one VDPBF16PS
+//                  chain per output over the K pairs in order). The two round differently, so a
+//                  machine always takes the same one; tests run both where they can.
 //   * linear_f32:  fp32 FMA chains over K in order, vectorized across output columns.
 // paged_attention (the same op library) lives in paged_attention.cpp.
 #include <torch/library.h>
@@ -32,6 +35,148 @@ bool amx_permitted() {
   static const bool ok = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   return ok;
 }
+
+// AVX-512 BF16 code generation whatever -march=native says (the library also builds on Zen 3);
+// linear_bf16 takes this path only where the CPU has AVX-512 BF16. The AMX section below calls
+// the row stores too (its target is a superset, so they inline there).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
+
+inline void store_row_bf16(
+    const float* c, const float* bias, at::BFloat16* out, int n) {
+  // n <= 16 columns of one C tile row, plus bias, rounded to bf16 (nearest even).
+  __mmask16 mask = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+  __m512 v = _mm512_loadu_ps(c);
+  if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias));
+  __m256bh h = _mm512_cvtneps_pbh(v);
+  _mm256_mask_storeu_epi16(reinterpret_cast<void*>(out), mask, reinterpret_cast<__m256i&>(h));
+}
+
+// The same row rounded to bf16, then widened to fp32: exactly the bf16 output's .float(), without
+// a second pass over [M, N] (the logits: 32 x 49152 at a decode step).
+inline void store_row_bf16_as_f32(const float* c, const float* bias, float* out, int n) {
+  __mmask16 mask = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+  __m512 v = _mm512_loadu_ps(c);
+  if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias));
+  const __m256bh h = _mm512_cvtneps_pbh(v);
+  const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(h)), 16));
+  _mm512_mask_storeu_ps(out, mask, w);
+}
+
+// One register tile of the AVX-512 kernel: R rows x C 16-column blocks, every output its own
+// VDPBF16PS chain over the K pairs 0, 1, ... in order, from zero. Nothing a lane computes depends
+// on R, C or where the tile sits, so a row's result is the same in any batch; the tile shape only
+// decides how many loads each multiply shares (C weight vectors per pair, one broadcast per row).
+template <int R, int C>
+void dp_tile(const at::BFloat16* a, int64_t lda, const at::BFloat16* b, int64_t b_block, int64_t pairs,
+             const float* bias, at::BFloat16* out, float* out_f32, int64_t ldo, int64_t cols) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int32_t* arow[R];
+  for (int r = 0; r < R; ++r) arow[r] = reinterpret_cast<const int32_t*>(a + r * lda);
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh w[C];
+    for (int c = 0; c < C; ++c)
+      w[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + c * b_block + p * 32));
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(arow[r][p]));
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, w[c]);
+    }
+  }
+  alignas(64) float row[16];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C && c * 16 < cols; ++c) {
+      const int n = static_cast<int>(std::min<int64_t>(16, cols - c * 16));
+      _mm512_store_ps(row, acc[r][c]);
+      if (out_f32)
+        store_row_bf16_as_f32(row, bias ? bias + c * 16 : nullptr, out_f32 + r * ldo + c * 16, n);
+      else
+        store_row_bf16(row, bias ? bias + c * 16 : nullptr, out + r * ldo + c * 16, n);
+    }
+}
+
+template <int C>
+void dp_rows(int rows, const at::BFloat16* a, int64_t lda, const at::BFloat16* b, int64_t b_block, int64_t pairs,
+             const float* bias, at::BFloat16* out, float* out_f32, int64_t ldo, int64_t cols) {
+  switch (rows) {
+    case 6: dp_tile<6, C>(a, lda, b, b_block, pairs, bias, out, out_f32, ldo, cols); break;
+    case 5: dp_tile<5, C>(a, lda, b, b_block, pairs, bias, out, out_f32, ldo, cols); break;
+    case 4: dp_tile<4, C>(a, lda, b, b_block, pairs, bias, out, out_f32, ldo, cols); break;
+    case 3: dp_tile<3, C>(a, lda, b, b_block, pairs, bias, out, out_f32, ldo, cols); break;
+    case 2: dp_tile<2, C>(a, lda, b, b_block, pairs, bias, out, out_f32, ldo, cols); break;
+    default: dp_tile<1, C>(a, lda, b, b_block, pairs, bias, out, out_f32, ldo, cols); break;
+  }
+}
+
+constexpr int kTileRows = 6, kTileBlocks = 4, kTaskRows = 96;  // 24 accumulators + 4 weight vectors
+
+// C[M, N] = A[M, K] x B (the AMX kernel's VNNI packing: for 16 columns and a K pair, one zmm).
+// Tasks are (4 column blocks) x (96 rows); inside, 6-row tiles stream the task's weights from
+// L2 (the first tile from memory), each over all of K.
+void avx512_gemm(const at::BFloat16* a, int64_t lda, const at::BFloat16* b, const float* bias, at::BFloat16* out,
+                 float* out_f32, int64_t m, int64_t n, int64_t np, int64_t pairs, int64_t kp) {
+  const int64_t b_block = (kp / 2) * 32;
+  const int64_t col_tasks = (np / 16 + kTileBlocks - 1) / kTileBlocks, row_tasks = (m + kTaskRows - 1) / kTaskRows;
+  at::parallel_for(0, col_tasks * row_tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t cb = (t % col_tasks) * kTileBlocks, r_end = std::min(m, (t / col_tasks + 1) * kTaskRows);
+      const int64_t col0 = cb * 16;
+      if (col0 >= n) continue;
+      const int64_t cols = std::min<int64_t>(n - col0, kTileBlocks * 16);
+      const int blocks = static_cast<int>((cols + 15) / 16);
+      const at::BFloat16* bt = b + cb * b_block;
+      const float* bs = bias ? bias + col0 : nullptr;
+      for (int64_t r0 = (t / col_tasks) * kTaskRows; r0 < r_end; r0 += kTileRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, r_end - r0));
+        const at::BFloat16* ar = a + r0 * lda;
+        at::BFloat16* o = out ? out + r0 * n + col0 : nullptr;
+        float* of = out_f32 ? out_f32 + r0 * n + col0 : nullptr;
+        switch (blocks) {
+          case 4: dp_rows<4>(rows, ar, lda, bt, b_block, pairs, bs, o, of, n, cols); break;
+          case 3: dp_rows<3>(rows, ar, lda, bt, b_block, pairs, bs, o, of, n, cols); break;
+          case 2: dp_rows<2>(rows, ar, lda, bt, b_block, pairs, bs, o, of, n, cols); break;
+          default: dp_rows<1>(rows, ar, lda, bt, b_block, pairs, bs, o, of, n, cols); break;
+        }
+      }
+    }
+  });
+}
+
+at::Tensor avx512_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         int64_t n, bool f32_out) {
+  const int64_t np = packed.size(0) * 16, kp = packed.size(1) * 2;
+  auto rows = x.reshape({-1, x.size(-1)});
+  const int64_t m = rows.size(0), k = rows.size(1);
+  TORCH_CHECK(k <= kp && np >= n, "linear_bf16: x has ", k, " features, the packed weight ", kp);
+  // Rows are read a K pair (4 bytes) at a time, pairs 0 .. k/2 - 1 (the packed weight is zero past
+  // k): x as it is when k is even and rows are dense, else a zero-padded copy (odd k).
+  const int64_t pairs = (k + 1) / 2;
+  const at::BFloat16* a_ptr;
+  int64_t lda;
+  at::Tensor padded;
+  if (k % 2 == 0 && rows.stride(1) == 1 && rows.stride(0) % 2 == 0) {
+    a_ptr = rows.data_ptr<at::BFloat16>();
+    lda = rows.stride(0);
+  } else {
+    padded = at::zeros({m, 2 * pairs}, x.options());
+    padded.narrow(1, 0, k).copy_(rows);
+    a_ptr = padded.data_ptr<at::BFloat16>();
+    lda = 2 * pairs;
+  }
+  auto out = at::empty({m, n}, x.options().dtype(f32_out ? at::kFloat : at::kBFloat16));
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) bias_f = bias->to(at::kFloat).contiguous();
+  if (m > 0)
+    avx512_gemm(a_ptr, lda, packed.data_ptr<at::BFloat16>(), bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
+                f32_out ? nullptr : out.data_ptr<at::BFloat16>(), f32_out ? out.data_ptr<float>() : nullptr, m, n, np,
+                pairs, kp);
+  auto shape = x.sizes().vec();
+  shape.back() = n;
+  return out.view(shape);
+}
+
+#pragma GCC pop_options
 
 // AMX and AVX-512 code generation for the bf16 kernel whatever -march=native says, so the library
 // also builds on CPUs without them (Zen 3); tessera.kernels.linear only calls it where the CPU
@@ -60,27 +205,6 @@ void configure_tiles() {
   // (it did in paged_attention.cpp: SIGILL at the first tile instruction).
   asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
-}
-
-inline void store_row_bf16(
-    const float* c, const float* bias, at::BFloat16* out, int n) {
-  // n <= 16 columns of one C tile row, plus bias, rounded to bf16 (nearest even).
-  __mmask16 mask = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
-  __m512 v = _mm512_loadu_ps(c);
-  if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias));
-  __m256bh h = _mm512_cvtneps_pbh(v);
-  _mm256_mask_storeu_epi16(reinterpret_cast<void*>(out), mask, reinterpret_cast<__m256i&>(h));
-}
-
-// The same row rounded to bf16, then widened to fp32: exactly the bf16 output's .float(), without
-// a second pass over [M, N] (the logits: 32 x 49152 at a decode step).
-inline void store_row_bf16_as_f32(const float* c, const float* bias, float* out, int n) {
-  __mmask16 mask = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
-  __m512 v = _mm512_loadu_ps(c);
-  if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias));
-  const __m256bh h = _mm512_cvtneps_pbh(v);
-  const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(h)), 16));
-  _mm512_mask_storeu_ps(out, mask, w);
 }
 
 constexpr int64_t kPrefetch = 8;  // B tiles (1 KiB each) ahead of the one being loaded
@@ -166,15 +290,24 @@ void amx_gemm(
   });
 }
 
-at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                      int64_t n, bool f32_out) {
-  TORCH_CHECK(amx_permitted(), "linear_amx: the kernel did not get AMX tile state from the OS");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "linear_amx: bf16 only");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2, "linear_amx: bad packed weight");
+bool cpu_has_amx_bf16() {
+  static const bool has = __builtin_cpu_supports("amx-bf16") && amx_permitted();
+  return has;
+}
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                       int64_t n, bool f32_out, int64_t arithmetic) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "linear_bf16: bf16 only");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2, "linear_bf16: bad packed weight");
+  // arithmetic: -1 the machine's (AMX where it has it), 0 AVX-512 BF16, 1 AMX (an error without it).
+  const bool amx = arithmetic < 0 ? cpu_has_amx_bf16() : arithmetic == 1;
+  TORCH_CHECK(!amx || cpu_has_amx_bf16(), "linear_bf16: AMX asked for, and this CPU or the OS does not give it");
+  TORCH_CHECK(amx || __builtin_cpu_supports("avx512bf16"), "linear_bf16: this CPU has neither AMX nor AVX-512 BF16");
+  if (!amx) return avx512_linear(x, packed, bias, n, f32_out);
   const int64_t np = packed.size(0) * 16, kp = packed.size(1) * 2;
   auto rows = x.reshape({-1, x.size(-1)});
   const int64_t m = rows.size(0), k = rows.size(1);
-  TORCH_CHECK(k <= kp && np >= n, "linear_amx: x has ", k, " features, the packed weight ", kp);
+  TORCH_CHECK(k <= kp && np >= n, "linear_bf16: x has ", k, " features, the packed weight ", kp);
   const int64_t mp = std::max<int64_t>(16, (m + 15) / 16 * 16);
   // Tiles read whole 16-row groups of K-padded rows: x itself when it already has that shape,
   // else a copy padded with zeros (a reused per-thread buffer: no allocation per call).
@@ -251,11 +384,11 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& wt, const c10::opti
 }  // namespace
 
 TORCH_LIBRARY(tessera_inv, m) {
-  m.def("linear_amx(Tensor x, Tensor packed, Tensor? bias, int n, bool f32_out=False) -> Tensor");
+  m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias, int n, bool f32_out=False, int arithmetic=-1) -> Tensor");
   m.def("linear_f32(Tensor x, Tensor wt, Tensor? bias, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tessera_inv, CPU, m) {
-  m.impl("linear_amx", &linear_amx);
+  m.impl("linear_bf16", &linear_bf16);
   m.impl("linear_f32", &linear_f32);
 }
