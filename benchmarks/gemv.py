@@ -86,6 +86,9 @@ def main() -> None:
     p.add_argument("--modes", default="fp32,bf16,int8,int4,q8_0")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--per-shape", action="store_true", help="also time each weight shape's layers alone")
+    p.add_argument("--act-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the quantized modes' activations (a bf16 engine's are bf16; the fp32 ones take "
+                        "the invariant kernel's hi + lo split)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -109,7 +112,7 @@ def main() -> None:
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, 576, generator=gen)
             xs = {576: x, 1536: torch.randn(m, 1536, generator=gen)}
-            if mode == "bf16":
+            if mode == "bf16" or (mode != "fp32" and args.act_dtype == "bfloat16"):
                 xs = {k: v.to(torch.bfloat16) for k, v in xs.items()}
             for kernel in kernels:
                 if kernel == "native" and not native:

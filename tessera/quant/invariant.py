@@ -1,14 +1,15 @@
 """Batch-invariant quantized matmul (csrc/invariant_qgemm.cpp): tile-order packing, loading, calling.
 
-One AMX kernel per weight format serves every row count: a row's result never depends on how
+One kernel per weight format serves every row count: a row's result never depends on how
 many rows share the call (decode, a batch of decodes, a prefill chunk of any size, a prefix-cache
 suffix), so quantized models keep the "same request, same answer" guarantee of the float ones
 (docs/reproducibility.md). The weight is stored once in tile order (per 16 output columns and
 per 32-wide K step, the 512 weights of one AMX B tile); each call dequantizes a tile to bf16 in
-registers and multiplies it on AMX with fp32 accumulation, K steps in order. bf16 activations go
+registers and multiplies it on AMX with fp32 accumulation, K steps in order (on CPUs without AMX,
+Zen 4/5, with AVX-512 BF16 dot products in the same order). bf16 activations go
 in as they are; float32 activations as two bf16 halves (hi + lo, about 16 bits of mantissa).
 
-`enabled()` is False without AMX (bf16 and int8), without the built extension, off CPU, or with
+`enabled()` is False without AVX-512 BF16 (w8a8: without AMX int8), without the built extension, off CPU, or with
 `TESSERA_QUANT_INVARIANT=0`; the QuantLinear classes then keep their shape-picked torch kernels
 (which are not batch-invariant). The pack/unpack pairs below are each other's inverse exactly;
 tests check them and check the kernel against float64 math.
@@ -28,7 +29,7 @@ INT8, Q8_0, INT4, BF16 = 0, 1, 2, 3
 _SOURCES = (Path(__file__).parent / "csrc" / "invariant_qgemm.cpp",)
 
 
-def _cpu_has_amx() -> bool:
+def cpu_has_amx() -> bool:
     from tessera.kernels import cpu_flags
 
     return {"amx_bf16", "amx_int8", "amx_tile", "avx512_bf16"} <= cpu_flags()
@@ -36,8 +37,10 @@ def _cpu_has_amx() -> bool:
 
 @functools.cache
 def available() -> bool:
-    """True when the kernel is built and loaded on a CPU with AMX (bf16 and int8)."""
-    if not _cpu_has_amx() or not load_extension("tessera_qgemm", _SOURCES):
+    """True when the kernel is built and loaded on a CPU with AVX-512 BF16 (AMX or not)."""
+    from tessera.kernels import cpu_has_avx512_bf16
+
+    if not cpu_has_avx512_bf16() or not load_extension("tessera_qgemm", _SOURCES):
         return False
     _register_fakes()
     return True
@@ -46,6 +49,17 @@ def available() -> bool:
 def enabled(device: torch.device | str = "cpu") -> bool:
     """Whether quantized layers built now use the invariant kernel (read at construction)."""
     return torch.device(device).type == "cpu" and os.environ.get("TESSERA_QUANT_INVARIANT", "1") != "0" and available()
+
+
+def w8a8_enabled(device: torch.device | str = "cpu") -> bool:
+    """The int8 x int8 kernel is AMX only (TDPBSSD); without it w8a8 keeps FBGEMM (exact too)."""
+    return enabled(device) and cpu_has_amx()
+
+
+def set_arithmetic(arithmetic: int) -> None:
+    """-1 the machine's (AMX where it has it), 0 AVX-512 BF16, 1 AMX: for tests that run both
+    arithmetics on a CPU with AMX. The engine keeps -1 (one arithmetic per machine)."""
+    torch.ops.tessera_qgemm.set_arithmetic(arithmetic)
 
 
 def _register_fakes() -> None:

@@ -77,7 +77,7 @@ class W8A8Linear(QuantLinear):
         self.register_buffer("scale", scale.float().contiguous())
         self._fbgemm = None
         self.qweight: torch.Tensor | None = None
-        self.invariant = invariant.enabled(qweight.device)
+        self.invariant = invariant.w8a8_enabled(qweight.device)
         self.kernels = ("invariant",) if self.invariant else ("fbgemm", "int_mm")
         if self.invariant:  # AMX int8 tile order is the only copy
             self.register_buffer("tiles", invariant.pack_tiles(qweight, group=4))

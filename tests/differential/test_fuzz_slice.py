@@ -15,7 +15,8 @@ from tests.differential.case import CHOICES
 from tests.differential.execute import Context
 from tests.differential.fuzz import fuzz
 
-# int8 and int4 weights are batch-invariant only on the AMX kernel (tessera/quant/invariant.py);
+# int8 and int4 weights are batch-invariant only on the invariant kernel (tessera/quant/invariant.py,
+# AVX-512 BF16 or AMX);
 # elsewhere their torch kernels pick by row count, so they are drawn only where it runs.
 CI_CHOICES = ({} if invariant.available() else
               {"quantization": [q for q in CHOICES["quantization"] if q not in ("int8", "int4")]})

@@ -88,7 +88,7 @@ def expected_bytes(qtype: Q, rows: int, k: int, tiled: bool) -> int:
     return -(-rows // 32) * 32 * (row_bytes + (k // 256 * 4 if qtype in (Q.Q4_K, Q.Q5_K) else 0))
 
 
-@pytest.mark.skipif(not invariant.available(), reason="the tile layout is the AMX kernel's")
+@pytest.mark.skipif(not invariant.available(), reason="the tile layout is the invariant kernel's (AVX-512 BF16)")
 @pytest.mark.parametrize("qtype", KQUANT_TYPES)
 def test_tile_layout_holds_the_files_weight_bit_for_bit(qtype):
     raw = random_blocks(qtype, 70, 512, seed=6)

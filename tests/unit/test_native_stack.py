@@ -12,6 +12,7 @@ from tessera import SamplingParams, kernels
 from tessera.config import EngineConfig
 from tessera.engine.engine import LLMEngine
 from tessera.kernels.linear import supported
+from tessera.quant import invariant
 
 pytestmark = pytest.mark.skipif(not (kernels.available() and kernels.cpu_has_avx512_bf16()),
                                 reason="the native stack runs on the C++ kernels with AVX-512 bf16")
@@ -96,7 +97,7 @@ def test_native_stack_forward_equals_modules_on_a_mixed_step(tiny_model_factory)
         assert hidden.dtype == reference.dtype and torch.equal(hidden, reference)
 
 
-@pytest.mark.skipif(not kernels.cpu_has_amx_bf16(), reason="the batch-invariant quantized kernels need AMX")
+@pytest.mark.skipif(not invariant.available(), reason="the batch-invariant quantized kernels need AVX-512 BF16")
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_native_stack_equals_modules_quantized(tiny_model_factory, quantization):
     path = tiny_model_factory(hidden_size=128, intermediate_size=256)

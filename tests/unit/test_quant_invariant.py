@@ -23,7 +23,19 @@ from tessera.quant.w8a8 import W8A8Linear, quantize_per_token
 from tests.tiny_model import write_gguf_from_hf_dir
 from tests.unit.test_gguf_kquant import random_blocks
 
-pytestmark = pytest.mark.skipif(not invariant.available(), reason="needs a CPU with AMX (bf16 and int8)")
+pytestmark = pytest.mark.skipif(not invariant.available(), reason="needs a CPU with AVX-512 BF16 (or AMX)")
+
+# The kernel's two arithmetics: AVX-512 BF16 dot products everywhere it builds, AMX tiles where the
+# CPU has them (w8a8 is AMX only: without it the layer keeps FBGEMM's exact int8 sums).
+ARITHMETICS = ["avx512", pytest.param("amx", marks=pytest.mark.skipif(
+    not invariant.cpu_has_amx(), reason="the AMX arithmetic needs a CPU with AMX"))]
+
+
+@pytest.fixture(params=ARITHMETICS)
+def arithmetic(request):
+    invariant.set_arithmetic(0 if request.param == "avx512" else 1)
+    yield request.param
+    invariant.set_arithmetic(-1)
 
 N, K = 80, 256  # N not a multiple of 32 (padded columns); K a whole number of K-quant super-blocks
 ROW_COUNTS = [*range(1, 65), 100, 256, 300]  # decode batches and prefill-sized calls
@@ -68,7 +80,9 @@ def _activations(dtype: torch.dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
 @pytest.mark.parametrize("name", LAYERS)
-def test_a_row_does_not_depend_on_the_rows_beside_it(name, dtype):
+def test_a_row_does_not_depend_on_the_rows_beside_it(name, dtype, arithmetic):
+    if name == "w8a8" and (arithmetic != "amx" or not invariant.w8a8_enabled()):
+        pytest.skip("the w8a8 kernel is AMX int8 only")
     layer = LAYERS[name]()
     assert layer.kernels == ("invariant",) and all(layer.select_kernel(m) == "invariant" for m in (1, 9, 300))
     x = _activations(dtype)
@@ -83,7 +97,7 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(name, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
 @pytest.mark.parametrize("name", [n for n in LAYERS if n != "w8a8"])
-def test_weight_only_kernel_equals_float64_on_the_dequantized_weight(name, dtype):
+def test_weight_only_kernel_equals_float64_on_the_dequantized_weight(name, dtype, arithmetic):
     layer = LAYERS[name]()
     w = layer.dequantize().double()
     x = _activations(dtype)[:33]

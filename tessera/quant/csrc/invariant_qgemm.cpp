@@ -1,4 +1,5 @@
-// Batch-invariant quantized linear layers on AMX: one kernel for every row count, decode and prefill.
+// Batch-invariant quantized linear layers on AMX, or AVX-512 BF16 where the CPU has no AMX (Zen 4/5):
+// one kernel for every row count, decode and prefill.
 //
 // Why: the torch kernels for quantized weights are picked by shape (`_weight_int8pack_mm` at a few
 // rows, dequantize + GEMM above), so a token's result depended on how many tokens ran with it.
@@ -14,7 +15,9 @@
 //     go into the same C tile in a fixed order per K step (see column_pair).
 //   * w8a8 (int8 x int8, TDPBSSD): integer sums are exact, so any order gives the same result.
 // M = 1 and M = 512 run the same instructions per output element; only how many A tiles there
-// are changes. Loader and packing: tessera/quant/invariant.py.
+// are changes. Without AMX the same dequantized B tiles are multiplied with VDPBF16PS (one chain
+// per output over the k pairs in order, the same three products per K step): a second arithmetic,
+// rounding differently from the tiles, so a machine always takes one (w8a8 stays AMX-only). Loader and packing: tessera/quant/invariant.py.
 //
 // Formats (codes per (column block nb, K step ks) tile, 16 columns x 32 k):
 //   INT8  codes int8 [Nb, Kb, 16, 16, 2], scale f32 [Np] (after the sum)        W = scale[n] q
@@ -79,6 +82,10 @@ __attribute__((target("amx-tile"))) void configure_tiles() {
   asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
+
+// A function of its own (as configure_tiles): the parallel_for lambdas that call it have no AMX
+// target, and -march=native gives them none on a CPU without AMX.
+__attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
 
 // Per-element expansion of 16 per-column values to the 32 elements of a VNNI row (col = i / 2).
 __attribute__((target("avx512f"))) inline void expand_cols(__m512 v, __m512& lo, __m512& hi) {
@@ -257,6 +264,35 @@ __attribute__((target("avx512f,avx512bf16"))) inline void store_row(const float*
   }
 }
 
+// Where the bf16 B tiles of one column pair are: the weight itself (BF16 format) or bbuf, which
+// dequant_pair fills with the pair's whole K once (every row tile then reuses it).
+struct PairTiles {
+  const uint16_t* hi;  // BF16: the codes; else bbuf
+  const uint16_t* lo;  // BF16: the remainder tiles (or null); else unused
+  bool direct;
+  int per_step;  // bbuf: B tiles per K step: hi0, hi1 (, lo0, lo1)
+  int64_t kb, nb0;
+  const uint16_t* get(int64_t blk, int64_t ks, bool rem) const {
+    if (direct) return (rem ? lo : hi) + ((nb0 + blk) * kb + ks) * 512;
+    return hi + (ks * per_step + blk + (rem ? 2 : 0)) * 512;
+  }
+};
+
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) PairTiles dequant_pair(const Weight& w, int64_t pair,
+                                                                              bool w_lo, uint16_t* bbuf) {
+  const int64_t kb = w.kp / 32, nb0 = 2 * pair;
+  const bool direct = w.fmt == kBf16;
+  PairTiles t{direct ? static_cast<const uint16_t*>(w.codes) : bbuf, direct ? static_cast<const uint16_t*>(w.zero) : nullptr,
+              direct, w_lo ? 4 : 2, kb, nb0};
+  if (!direct)
+    for (int64_t ks = 0; ks < kb; ++ks) {
+      uint16_t* b = bbuf + ks * t.per_step * 512;
+      dequant_tile(w, nb0, ks, b, w_lo ? b + 2 * 512 : nullptr);
+      dequant_tile(w, nb0 + 1, ks, b + 512, w_lo ? b + 3 * 512 : nullptr);
+    }
+  return t;
+}
+
 // One pair of column blocks (32 output columns) for every activation row. Per K step, in this
 // order: C += A_hi B_hi; with a weight remainder C += A_hi B_lo; with an activation remainder
 // C += A_lo B_hi (A_lo B_lo is below fp32 rounding and skipped).
@@ -265,20 +301,8 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void co
     uint16_t* bbuf, void* out, at::ScalarType dtype) {
   const int64_t kb = w.kp / 32, nb0 = 2 * pair;
   const int64_t stride = w.kp * 2;  // bytes per A row
-  const bool direct = w.fmt == kBf16;
-  const int per_step = w_lo ? 4 : 2;  // B tiles per K step in bbuf: hi0, hi1 (, lo0, lo1)
-  auto b_tile = [&](int64_t blk, int64_t ks, bool lo) -> const uint16_t* {
-    if (direct) return static_cast<const uint16_t*>(lo ? w.zero : w.codes) + ((nb0 + blk) * kb + ks) * 512;
-    return bbuf + (ks * per_step + blk + (lo ? 2 : 0)) * 512;
-  };
-  if (!direct) {
-    // Dequantize this pair's whole K once; every A tile below reuses it.
-    for (int64_t ks = 0; ks < kb; ++ks) {
-      uint16_t* t = bbuf + ks * per_step * 512;
-      dequant_tile(w, nb0, ks, t, w_lo ? t + 2 * 512 : nullptr);
-      dequant_tile(w, nb0 + 1, ks, t + 512, w_lo ? t + 3 * 512 : nullptr);
-    }
-  }
+  const PairTiles tiles = dequant_pair(w, pair, w_lo, bbuf);
+  auto b_tile = [&](int64_t blk, int64_t ks, bool lo) { return tiles.get(blk, ks, lo); };
   alignas(64) float c[2][256];
   const int esize = dtype == at::kBFloat16 ? 2 : 4;
   for (int64_t m0 = 0; m0 < mp; m0 += 16) {
@@ -315,6 +339,155 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void co
   }
 }
 
+// R rows x the pair's 2 column blocks without AMX: per output one VDPBF16PS chain over the k
+// pairs, per K step the products in column_pair's order (A_hi B_hi, A_hi B_lo, A_lo B_hi).
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void dp_pair_rows(
+    const Weight& w, const PairTiles& tiles, const uint16_t* a_hi, const uint16_t* a_lo, bool w_lo, int64_t r0,
+    void* out, at::ScalarType dtype) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  auto products = [&](const uint16_t* a, const uint16_t* b0, const uint16_t* b1, int64_t k0) {
+    for (int p = 0; p < 16; ++p) {
+      const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b0 + p * 32));
+      const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b1 + p * 32));
+      for (int r = 0; r < R; ++r) {
+        int32_t pairbits;
+        std::memcpy(&pairbits, a + (r0 + r) * w.kp + k0 + 2 * p, 4);
+        const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pairbits));
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
+      }
+    }
+  };
+  for (int64_t ks = 0; ks < w.kp / 32; ++ks) {
+    const uint16_t* h0 = tiles.get(0, ks, false);
+    const uint16_t* h1 = tiles.get(1, ks, false);
+    products(a_hi, h0, h1, ks * 32);
+    if (w_lo) products(a_hi, tiles.get(0, ks, true), tiles.get(1, ks, true), ks * 32);
+    if (a_lo) products(a_lo, h0, h1, ks * 32);
+  }
+  const int esize = dtype == at::kBFloat16 ? 2 : 4;
+  alignas(64) float row[16];
+  for (int q = 0; q < 2; ++q) {
+    const int64_t col0 = (tiles.nb0 + q) * 16;
+    if (col0 >= w.n) continue;
+    const int cols = static_cast<int>(std::min<int64_t>(16, w.n - col0));
+    const float* scale = w.fmt == kInt8 ? static_cast<const float*>(w.scale) + col0 : nullptr;
+    for (int r = 0; r < R; ++r) {
+      _mm512_store_ps(row, acc[r][q]);
+      store_row(row, scale, dtype, static_cast<char*>(out) + ((r0 + r) * w.n + col0) * esize, cols);
+    }
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void column_pair_avx512(
+    const Weight& w, int64_t pair, const uint16_t* a_hi, const uint16_t* a_lo, bool w_lo, int64_t m, uint16_t* bbuf,
+    void* out, at::ScalarType dtype) {
+  const PairTiles tiles = dequant_pair(w, pair, w_lo, bbuf);
+  constexpr int kRows = 8;  // 16 accumulators, 2 weight vectors
+  for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+    switch (std::min<int64_t>(kRows, m - r0)) {
+      case 8: dp_pair_rows<8>(w, tiles, a_hi, a_lo, w_lo, r0, out, dtype); break;
+      case 7: dp_pair_rows<7>(w, tiles, a_hi, a_lo, w_lo, r0, out, dtype); break;
+      case 6: dp_pair_rows<6>(w, tiles, a_hi, a_lo, w_lo, r0, out, dtype); break;
+      case 5: dp_pair_rows<5>(w, tiles, a_hi, a_lo, w_lo, r0, out, dtype); break;
+      case 4: dp_pair_rows<4>(w, tiles, a_hi, a_lo, w_lo, r0, out, dtype); break;
+      case 3: dp_pair_rows<3>(w, tiles, a_hi, a_lo, w_lo, r0, out, dtype); break;
+      case 2: dp_pair_rows<2>(w, tiles, a_hi, a_lo, w_lo, r0, out, dtype); break;
+      default: dp_pair_rows<1>(w, tiles, a_hi, a_lo, w_lo, r0, out, dtype); break;
+    }
+  }
+}
+
+// Decode sizes (M <= 4) without AMX: B column blocks at once (B / 2 pairs), each K step's tiles
+// dequantized into a small buffer that stays in L1 and multiplied at once, the rows' accumulators in
+// registers over all of K: B independent chains per row instead of two, and no whole-K buffer
+// through L2. The tiles hold dequant_tile's values and every output takes the same products in
+// the same order as in dp_pair_rows, so both paths give the same bits (tests: M = 1..64, 100, 300).
+template <int R, int B>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void dp_small(
+    const Weight& w, int64_t nb0, const uint16_t* a_hi, const uint16_t* a_lo, bool w_lo, uint16_t* buf, void* out,
+    at::ScalarType dtype) {
+  const int64_t kb = w.kp / 32;
+  const bool direct = w.fmt == kBf16;
+  __m512 acc[R][B];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
+  const uint16_t* hi[B];
+  const uint16_t* lo[B];
+  auto products = [&](const uint16_t* a, const uint16_t* const* t, int64_t k0) {
+    for (int p = 0; p < 16; ++p) {
+      __m512bh wv[B];
+      for (int b = 0; b < B; ++b) wv[b] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(t[b] + p * 32));
+      for (int r = 0; r < R; ++r) {
+        int32_t pairbits;
+        std::memcpy(&pairbits, a + r * w.kp + k0 + 2 * p, 4);
+        const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pairbits));
+        for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
+      }
+    }
+  };
+  for (int64_t ks = 0; ks < kb; ++ks) {
+    for (int b = 0; b < B; ++b) {
+      if (direct) {
+        hi[b] = static_cast<const uint16_t*>(w.codes) + ((nb0 + b) * kb + ks) * 512;
+        lo[b] = w.zero ? static_cast<const uint16_t*>(w.zero) + ((nb0 + b) * kb + ks) * 512 : nullptr;
+      } else {
+        hi[b] = buf + b * 512;
+        lo[b] = buf + (B + b) * 512;
+        dequant_tile(w, nb0 + b, ks, buf + b * 512, w_lo ? buf + (B + b) * 512 : nullptr);
+      }
+    }
+    products(a_hi, hi, ks * 32);
+    if (w_lo) products(a_hi, lo, ks * 32);
+    if (a_lo) products(a_lo, hi, ks * 32);
+  }
+  const int esize = dtype == at::kBFloat16 ? 2 : 4;
+  alignas(64) float row[16];
+  for (int b = 0; b < B; ++b) {
+    const int64_t col0 = (nb0 + b) * 16;
+    if (col0 >= w.n) continue;
+    const int cols = static_cast<int>(std::min<int64_t>(16, w.n - col0));
+    const float* scale = w.fmt == kInt8 ? static_cast<const float*>(w.scale) + col0 : nullptr;
+    for (int r = 0; r < R; ++r) {
+      _mm512_store_ps(row, acc[r][b]);
+      store_row(row, scale, dtype, static_cast<char*>(out) + (r * w.n + col0) * esize, cols);
+    }
+  }
+}
+
+template <int B>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void small_rows(
+    int64_t m, const Weight& w, int64_t nb0, const uint16_t* a_hi, const uint16_t* a_lo, bool w_lo, uint16_t* buf,
+    void* out, at::ScalarType dtype) {
+  switch (m) {
+    case 4: dp_small<4, B>(w, nb0, a_hi, a_lo, w_lo, buf, out, dtype); break;
+    case 3: dp_small<3, B>(w, nb0, a_hi, a_lo, w_lo, buf, out, dtype); break;
+    case 2: dp_small<2, B>(w, nb0, a_hi, a_lo, w_lo, buf, out, dtype); break;
+    default: dp_small<1, B>(w, nb0, a_hi, a_lo, w_lo, buf, out, dtype); break;
+  }
+}
+
+constexpr int64_t kSmallRows = 4;
+
+// -1 the machine's arithmetic (AMX where it has it), 0 AVX-512 BF16, 1 AMX: set_arithmetic lets
+// tests run both on a CPU with AMX; the engine never changes it.
+int64_t g_arithmetic = -1;
+
+bool use_amx() {
+  static const bool has = __builtin_cpu_supports("amx-bf16") && amx_permitted();
+  TORCH_CHECK(g_arithmetic != 1 || has, "tessera_qgemm: AMX asked for, and this CPU or the OS does not give it");
+  TORCH_CHECK(g_arithmetic == 1 || has || __builtin_cpu_supports("avx512bf16"),
+              "tessera_qgemm: this CPU has neither AMX nor AVX-512 BF16");
+  return g_arithmetic < 0 ? has : g_arithmetic == 1;
+}
+
+void set_arithmetic(int64_t arithmetic) {
+  TORCH_CHECK(arithmetic >= -1 && arithmetic <= 1, "tessera_qgemm.set_arithmetic: -1, 0 or 1");
+  g_arithmetic = arithmetic;
+}
+
 // Every column pair of the weight for every activation row of x (the caller checked w).
 at::Tensor run(const at::Tensor& x, const Weight& w, int64_t nbk) {
   const int64_t n = w.n, kp = w.kp, kb = kp / 32, fmt = w.fmt, k = x.size(1), m = x.size(0);
@@ -333,12 +506,30 @@ at::Tensor run(const at::Tensor& x, const Weight& w, int64_t nbk) {
   const at::ScalarType dtype = x.scalar_type();
   // float32 activations also take the weight's remainder where W is not exact in bf16.
   const bool w_lo = split && (fmt == kQ8_0 || fmt == kInt4 || fmt == kKQ || (fmt == kBf16 && w.zero));
+  const bool amx = use_amx();
+  if (!amx && m <= kSmallRows) {
+    // Two column pairs per task (four blocks; the last task may hold one pair).
+    at::parallel_for(0, (nbk / 2 + 1) / 2, 1, [&](int64_t g0, int64_t g1) {
+      alignas(64) uint16_t buf[8 * 512];
+      for (int64_t g = g0; g < g1; ++g) {
+        if (4 * g + 4 <= nbk)
+          small_rows<4>(m, w, 4 * g, a_hi, a_lo, w_lo, buf, outp, dtype);
+        else
+          small_rows<2>(m, w, 4 * g, a_hi, a_lo, w_lo, buf, outp, dtype);
+      }
+    });
+    return out;
+  }
   at::parallel_for(0, nbk / 2, 1, [&](int64_t p0, int64_t p1) {
     thread_local std::vector<uint16_t> bbuf;
     if (bbuf.size() < size_t(kb * 4 * 512)) bbuf.resize(kb * 4 * 512);
+    if (!amx) {
+      for (int64_t p = p0; p < p1; ++p) column_pair_avx512(w, p, a_hi, a_lo, w_lo, m, bbuf.data(), outp, dtype);
+      return;
+    }
     configure_tiles();
     for (int64_t p = p0; p < p1; ++p) column_pair(w, p, a_hi, a_lo, w_lo, m, mp, bbuf.data(), outp, dtype);
-    _tile_release();
+    release_tiles();
   });
   return out;
 }
@@ -346,7 +537,6 @@ at::Tensor run(const at::Tensor& x, const Weight& w, int64_t nbk) {
 
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                  const c10::optional<at::Tensor>& zero, int64_t fmt, int64_t n, int64_t k) {
-  TORCH_CHECK(amx_permitted(), "tessera_qgemm: the kernel did not get AMX tile state from the OS");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.is_contiguous(), "tessera_qgemm: x must be contiguous [M, ", k, "]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "tessera_qgemm: x bf16 or fp32");
   TORCH_CHECK(codes.dim() >= 2 && codes.is_contiguous(), "tessera_qgemm: codes must be contiguous tiles");
@@ -380,7 +570,6 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
 // GGUF K-quant and Q5 weights (the KQ format above): kind 0 Q5_0, 1 Q5_1, 2 Q4_K / Q5_K, 3 Q6_K.
 at::Tensor kqgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& planes, const at::Tensor& sup,
                   const c10::optional<at::Tensor>& sub, int64_t kind, int64_t n, int64_t k) {
-  TORCH_CHECK(amx_permitted(), "tessera_qgemm: the kernel did not get AMX tile state from the OS");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.is_contiguous(), "tessera_qgemm: x must be contiguous [M, ", k, "]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "tessera_qgemm: x bf16 or fp32");
   TORCH_CHECK(codes.dim() == 4 && codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.size(2) == 16 &&
@@ -450,7 +639,7 @@ __attribute__((target("amx-tile,amx-int8,avx512f"))) at::Tensor w8a8_impl(const 
         }
       }
     }
-    _tile_release();
+    release_tiles();
   });
   return out;
 }
@@ -470,6 +659,7 @@ TORCH_LIBRARY(tessera_qgemm, lib) {
   lib.def("qgemm(Tensor x, Tensor codes, Tensor scale, Tensor? zero, int fmt, int n, int k) -> Tensor");
   lib.def("w8a8(Tensor qx, Tensor codes, int n) -> Tensor");
   lib.def("kqgemm(Tensor x, Tensor codes, Tensor planes, Tensor sup, Tensor? sub, int kind, int n, int k) -> Tensor");
+  lib.def("set_arithmetic(int arithmetic) -> ()", &set_arithmetic);  // no tensor: a catch-all kernel
 }
 
 TORCH_LIBRARY_IMPL(tessera_qgemm, CPU, lib) {
