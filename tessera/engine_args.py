@@ -110,8 +110,9 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("enforce_eager", "--enforce-eager", "vLLM's flag: run the model step module by module (default: a "
                "llama model on the CPU kernels runs its whole decoder stack as one native call; no CUDA graphs "
                "yet).", boolean=True),
-    EngineFlag("deterministic", "--deterministic", "Batch-invariant linears in float32 too (bf16 on AMX has them "
-               "by default): same tokens whatever the batch, prefill GEMMs 1.5-1.7x slower.", boolean=True),
+    EngineFlag("deterministic", "--deterministic", "Batch-invariant linears in float32 too (bf16 on CPUs with "
+               "AVX-512 BF16 or AMX has them by default): same tokens whatever the batch, prefill GEMMs 1.5-1.7x "
+               "slower.", boolean=True),
     EngineFlag("structured_outputs_backend", "--structured-outputs-backend", "Library that compiles JSON-schema, "
                "regex, choice and grammar constraints.", choices=("xgrammar",)),
     EngineFlag("tokenizer", "--tokenizer", "Tokenizer folder or .gguf file (unset: the model's own)."),

@@ -16,8 +16,10 @@
 //   * w8a8 (int8 x int8, TDPBSSD): integer sums are exact, so any order gives the same result.
 // M = 1 and M = 512 run the same instructions per output element; only how many A tiles there
 // are changes. Without AMX the same dequantized B tiles are multiplied with VDPBF16PS (one chain
-// per output over the k pairs in order, the same three products per K step): a second arithmetic,
-// rounding differently from the tiles, so a machine always takes one (w8a8 stays AMX-only). Loader and packing: tessera/quant/invariant.py.
+// per output over the k pairs in order, the same three products per K step), except INT4, whose
+// exact codes are multiplied as they are with scale and zero applied per group (int4_avx512): a
+// second arithmetic, rounding differently from the tiles, so a machine always takes one (w8a8
+// stays AMX-only). Loader and packing: tessera/quant/invariant.py.
 //
 // Formats (codes per (column block nb, K step ks) tile, 16 columns x 32 k):
 //   INT8  codes int8 [Nb, Kb, 16, 16, 2], scale f32 [Np] (after the sum)        W = scale[n] q
@@ -471,6 +473,187 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void small_rows(
 
 constexpr int64_t kSmallRows = 4;
 
+// ---- INT4 without AMX: scale and zero per group applied to the partial sum ----------------------
+// The codes q - 8 are exact in bf16, so the AVX-512 arithmetic multiplies them as they are and
+// applies a group's scale and zero once per output: per group, part = VDPBF16PS chain of x with
+// (q - 8) over the group's k pairs in order (per K step the hi products, then the lo ones), then
+// acc = fma(part, s, acc), acc = fma(sum_x, z, acc), sum_x the row's fixed-order sum of x over the
+// group. The same value as sum_k x (q - 8) s + z up to fp32 rounding (no bf16 rounding of W), with
+// no per-weight fma or rounding: a nibble becomes its bf16 through one table lookup (vpermw).
+// Every row count takes this arithmetic (it is the format's only AVX-512 one).
+
+__attribute__((target("avx512f,avx512bw"))) inline __m512i int4_lut() {
+  alignas(64) uint16_t t[32];
+  for (int q = 0; q < 32; ++q) {
+    const float v = static_cast<float>(q % 16 - 8);  // exact in bf16: the top 16 bits
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    t[q] = static_cast<uint16_t>(bits >> 16);
+  }
+  return _mm512_load_si512(t);
+}
+
+// Tile (nb, ks) of an INT4 weight as bf16 (q - 8) in VNNI order (the B tile layout).
+__attribute__((target("avx512f,avx512bw"))) void int4_codes_tile(const Weight& w, int64_t nb, int64_t ks,
+                                                                   uint16_t* dst) {
+  static const __m512i lut = int4_lut();
+  const uint8_t* src = static_cast<const uint8_t*>(w.codes) + (nb * (w.kp / 32) + ks) * 256;
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int r = 0; r < 16; ++r) {  // byte i of a k-pair row: element i low nibble, i + 16 high
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + r * 16));
+    const __m256i both = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
+    _mm512_storeu_si512(dst + r * 32, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(both), lut));
+  }
+}
+
+// Each row's sum of x over each group (hi + lo for float32 x), 16 lanes over the group's K in
+// order, then a fixed tree: sums[r * groups + g].
+__attribute__((target("avx512f,avx512bw"))) void int4_group_sums(const uint16_t* a_hi, const uint16_t* a_lo,
+                                                                    int64_t m, int64_t kp, int64_t groups,
+                                                                    float* sums) {
+  const int64_t per = kp / groups;
+  auto widen = [](const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(p))), 16));
+  };
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t k = g * per; k < (g + 1) * per; k += 16) {
+        __m512 v = widen(a_hi + r * kp + k);
+        if (a_lo) v = _mm512_add_ps(v, widen(a_lo + r * kp + k));
+        acc = _mm512_add_ps(acc, v);
+      }
+      alignas(64) float l[16];
+      _mm512_store_ps(l, acc);
+      float h8[8], h4[4];
+      for (int i = 0; i < 8; ++i) h8[i] = l[i] + l[i + 8];
+      for (int i = 0; i < 4; ++i) h4[i] = h8[i] + h8[i + 4];
+      sums[r * groups + g] = (h4[0] + h4[2]) + (h4[1] + h4[3]);
+    }
+}
+
+// R rows (from r0) x B column blocks (from nb0) over all groups; tiles(ks, t) points t[0..B) at
+// the K step's (q - 8) tiles.
+template <int R, int B, typename Tiles>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void int4_rows(
+    const Weight& w, int64_t nb0, int64_t r0, const uint16_t* a_hi, const uint16_t* a_lo, const float* sums,
+    Tiles&& tiles, void* out, at::ScalarType dtype) {
+  const int64_t kb = w.kp / 32, per = kb / w.groups;
+  __m512 acc[R][B];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
+  const uint16_t* t[B];
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m512 part[R][B];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < B; ++b) part[r][b] = _mm512_setzero_ps();
+    auto products = [&](const uint16_t* a, int64_t k0) {
+      for (int p = 0; p < 16; ++p) {
+        __m512bh wv[B];
+        for (int b = 0; b < B; ++b) wv[b] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(t[b] + p * 32));
+        for (int r = 0; r < R; ++r) {
+          int32_t pairbits;
+          std::memcpy(&pairbits, a + (r0 + r) * w.kp + k0 + 2 * p, 4);
+          const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pairbits));
+          for (int b = 0; b < B; ++b) part[r][b] = _mm512_dpbf16_ps(part[r][b], xv, wv[b]);
+        }
+      }
+    };
+    for (int64_t ks = g * per; ks < (g + 1) * per; ++ks) {
+      tiles(ks, t);
+      products(a_hi, ks * 32);
+      if (a_lo) products(a_lo, ks * 32);
+    }
+    for (int b = 0; b < B; ++b) {
+      const int64_t sidx = ((nb0 + b) * w.groups + g) * 16;
+      const __m512 sv = bf16x16(static_cast<const uint16_t*>(w.scale) + sidx);
+      const __m512 zv = bf16x16(static_cast<const uint16_t*>(w.zero) + sidx);
+      for (int r = 0; r < R; ++r) {
+        acc[r][b] = _mm512_fmadd_ps(part[r][b], sv, acc[r][b]);
+        acc[r][b] = _mm512_fmadd_ps(_mm512_set1_ps(sums[(r0 + r) * w.groups + g]), zv, acc[r][b]);
+      }
+    }
+  }
+  const int esize = dtype == at::kBFloat16 ? 2 : 4;
+  alignas(64) float row[16];
+  for (int b = 0; b < B; ++b) {
+    const int64_t col0 = (nb0 + b) * 16;
+    if (col0 >= w.n) continue;
+    const int cols = static_cast<int>(std::min<int64_t>(16, w.n - col0));
+    for (int r = 0; r < R; ++r) {
+      _mm512_store_ps(row, acc[r][b]);
+      store_row(row, nullptr, dtype, static_cast<char*>(out) + ((r0 + r) * w.n + col0) * esize, cols);
+    }
+  }
+}
+
+template <int B, typename Tiles>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void int4_row_tile(
+    int64_t rows, const Weight& w, int64_t nb0, int64_t r0, const uint16_t* a_hi, const uint16_t* a_lo,
+    const float* sums, Tiles&& tiles, void* out, at::ScalarType dtype) {
+  switch (rows) {  // B = 4: up to 3 rows (24 accumulators + 4 weights); B = 2: up to 6
+    case 6: if constexpr (B <= 2) int4_rows<6, B>(w, nb0, r0, a_hi, a_lo, sums, tiles, out, dtype); break;
+    case 5: if constexpr (B <= 2) int4_rows<5, B>(w, nb0, r0, a_hi, a_lo, sums, tiles, out, dtype); break;
+    case 4: if constexpr (B <= 2) int4_rows<4, B>(w, nb0, r0, a_hi, a_lo, sums, tiles, out, dtype); break;
+    case 3: int4_rows<3, B>(w, nb0, r0, a_hi, a_lo, sums, tiles, out, dtype); break;
+    case 2: int4_rows<2, B>(w, nb0, r0, a_hi, a_lo, sums, tiles, out, dtype); break;
+    default: int4_rows<1, B>(w, nb0, r0, a_hi, a_lo, sums, tiles, out, dtype); break;
+  }
+}
+
+// Every output of an INT4 weight without AMX. Up to 3 rows: two column pairs per task, each K
+// step's four tiles made in an L1 buffer as they are used; more rows: one pair per task, its
+// whole K made once into bbuf and read by every 6-row tile.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void int4_avx512(
+    const Weight& w, int64_t nbk, const uint16_t* a_hi, const uint16_t* a_lo, int64_t m, void* out,
+    at::ScalarType dtype) {
+  const int64_t kb = w.kp / 32;
+  std::vector<float> sums(static_cast<size_t>(m * w.groups));
+  int4_group_sums(a_hi, a_lo, m, w.kp, w.groups, sums.data());
+  const float* sp = sums.data();
+  if (m <= 3) {
+    at::parallel_for(0, (nbk / 2 + 1) / 2, 1, [&](int64_t g0, int64_t g1) {
+      alignas(64) uint16_t buf[4 * 512];
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t nb0 = 4 * g;
+        if (nb0 + 4 <= nbk) {
+          auto tiles = [&](int64_t ks, const uint16_t** t) {
+            for (int b = 0; b < 4; ++b) {
+              int4_codes_tile(w, nb0 + b, ks, buf + b * 512);
+              t[b] = buf + b * 512;
+            }
+          };
+          int4_row_tile<4>(m, w, nb0, 0, a_hi, a_lo, sp, tiles, out, dtype);
+        } else {
+          auto tiles = [&](int64_t ks, const uint16_t** t) {
+            for (int b = 0; b < 2; ++b) {
+              int4_codes_tile(w, nb0 + b, ks, buf + b * 512);
+              t[b] = buf + b * 512;
+            }
+          };
+          int4_row_tile<2>(m, w, nb0, 0, a_hi, a_lo, sp, tiles, out, dtype);
+        }
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, nbk / 2, 1, [&](int64_t p0, int64_t p1) {
+    thread_local std::vector<uint16_t> bbuf;
+    if (bbuf.size() < size_t(kb * 2 * 512)) bbuf.resize(kb * 2 * 512);
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t ks = 0; ks < kb; ++ks)
+        for (int b = 0; b < 2; ++b) int4_codes_tile(w, 2 * p + b, ks, bbuf.data() + (ks * 2 + b) * 512);
+      auto tiles = [&](int64_t ks, const uint16_t** t) {
+        t[0] = bbuf.data() + ks * 2 * 512;
+        t[1] = t[0] + 512;
+      };
+      for (int64_t r0 = 0; r0 < m; r0 += 6)
+        int4_row_tile<2>(std::min<int64_t>(6, m - r0), w, 2 * p, r0, a_hi, a_lo, sp, tiles, out, dtype);
+    }
+  });
+}
+
 // -1 the machine's arithmetic (AMX where it has it), 0 AVX-512 BF16, 1 AMX: set_arithmetic lets
 // tests run both on a CPU with AMX; the engine never changes it.
 int64_t g_arithmetic = -1;
@@ -507,6 +690,10 @@ at::Tensor run(const at::Tensor& x, const Weight& w, int64_t nbk) {
   // float32 activations also take the weight's remainder where W is not exact in bf16.
   const bool w_lo = split && (fmt == kQ8_0 || fmt == kInt4 || fmt == kKQ || (fmt == kBf16 && w.zero));
   const bool amx = use_amx();
+  if (!amx && fmt == kInt4) {
+    int4_avx512(w, nbk, a_hi, a_lo, m, outp, dtype);
+    return out;
+  }
   if (!amx && m <= kSmallRows) {
     // Two column pairs per task (four blocks; the last task may hold one pair).
     at::parallel_for(0, (nbk / 2 + 1) / 2, 1, [&](int64_t g0, int64_t g1) {
