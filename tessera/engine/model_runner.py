@@ -25,8 +25,8 @@ logger = logging.getLogger("tessera")
 def prepare_step_kernels(model: torch.nn.Module, config, dtype: torch.dtype) -> int:
     """Put the batch-invariant linear kernels (tessera/kernels) in the model where they pay.
 
-    bf16 on AMX: always (they are as fast as oneDNN at prefill sizes and faster at decode
-    sizes). float32: only with --deterministic (the fixed-order FMA kernel is slower than MKL's
+    bf16 where the CPU has AVX-512 BF16 (AMX tiles or VDPBF16PS): always (as fast as oneDNN at
+    prefill sizes and faster at decode sizes, measured on both). float32: only with --deterministic (the fixed-order FMA kernel is slower than MKL's
     prefill GEMM; docs/reproducibility.md has the measured cost). Returns how many weights
     were swapped."""
     from tessera.kernels.linear import make_linears_invariant, supported

@@ -2,7 +2,7 @@
 
 `NativeStack.build(model)` checks, once, that every layer is the plain Llama layer (fused qkv,
 optional qkv bias, no q/k norm, SwiGLU MLP, RMSNorm) on the batch-invariant CPU kernels (float
-weights as InvariantLinear, quantized ones on their batch-invariant AMX kernel: int8, int4 and
+weights as InvariantLinear, quantized ones on their batch-invariant kernel: int8, int4 and
 the GGUF modes' Q4_0/Q4_1/Q8_0/K-quant layers; the invariant paged attention backend; the fused
 elementwise ops), and then holds the per-layer tensors in the order `tessera_inv::decoder_stack`
 (tessera/kernels/csrc/decoder_stack.cpp) takes them. `forward` runs a step through it, or

@@ -179,6 +179,7 @@ class GGUFBlockLinear(QuantLinear):
 
     def _invariant_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """Batch-invariant: every tile decoded from its codes in registers, rounded to bf16 (with a
-        bf16 remainder for float32 activations) and multiplied on AMX (invariant.py, gguf_tiles.py);
+        bf16 remainder for float32 activations) and multiplied on AMX tiles or with AVX-512 BF16
+        dot products (invariant.py, gguf_tiles.py);
         each output column is reduced over K in one fixed order whatever M is."""
         return self.tiles.matmul(x, self.qtype, self.out_features)

@@ -75,8 +75,8 @@ def decode_q8_0(raw: np.ndarray, rows: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 class Q8_0Linear(QuantLinear):
-    """A GGUF Q8_0 weight: int8 codes with a float16 scale per 32. On AMX CPUs every call takes the
-    batch-invariant kernel (invariant.py: codes and scales in tile order, W = d q rounded to bf16
+    """A GGUF Q8_0 weight: int8 codes with a float16 scale per 32. On AVX-512 BF16 CPUs every call
+    takes the batch-invariant kernel (invariant.py: codes and scales in tile order, W = d q rounded to bf16
     in registers); elsewhere decode-sized calls take the C++ GEMV (native_gemv.py) when it is
     built and others dequantize in tiles per call (neither is batch-invariant)."""
 

@@ -21,11 +21,13 @@ Kernels (measured on an AMD Zen 3 without AVX-512, one thread, weights cold in c
   default: on a Sapphire Rapids-class Xeon it ran at 0.8-0.9x int4pack's speed at M = 1.
 - "dequant": unpack a tile of row blocks at a time into float and multiply it (see
   `_dequant_matmul`); for prefill-sized M the unpack is a small fraction of the GEMM.
-- "invariant" (the only kernel where it exists: AMX CPUs, invariant.py): codes in tile order,
-  W = (q - 8) s + z in fp32 rounded once to bf16 in registers, AMX with fp32 sums in a fixed K
-  order; one kernel for every M, so a row's result never depends on the batch. The codes then
-  live only in that layout (`tiles`, `tile_scale`, `tile_zero`), not in torch's; the kernels
-  above serve CPUs without AMX (and TESSERA_QUANT_INVARIANT=0), and are not batch-invariant.
+- "invariant" (the only kernel where it exists: CPUs with AVX-512 BF16, invariant.py): codes in
+  tile order; on AMX W = (q - 8) s + z in fp32 rounded once to bf16 in registers, tile products
+  with fp32 sums in a fixed K order; without AMX (Zen 4/5) the exact codes q - 8 times x in one
+  VDPBF16PS chain per group, scale and zero applied to that partial sum. One kernel for every M,
+  so a row's result never depends on the batch. The codes then live only in that layout
+  (`tiles`, `tile_scale`, `tile_zero`), not in torch's; the kernels above serve CPUs without
+  AVX-512 BF16 (and TESSERA_QUANT_INVARIANT=0), and are not batch-invariant.
 """
 
 from __future__ import annotations

@@ -13,11 +13,11 @@ weights cold in cache; `benchmarks/quant.py --kernels` re-measures):
 - "dequant": convert the codes to the activation dtype tile by tile (tiled_matmul) and run the
   float GEMM on each tile, scaling the output columns: the float32 GEMM's speed plus one
   conversion pass over the weight.
-- "invariant" (the only kernel where it exists: AMX CPUs, invariant.py): the codes in tile order,
-  converted to bf16 exactly, AMX with fp32 sums in a fixed K order, the scale applied to the sum.
-  One kernel for every M, so a row's result never depends on the batch. The torch kernels
-  above are kept for CPUs without AMX (and TESSERA_QUANT_INVARIANT=0); they pick by M and are
-  not batch-invariant.
+- "invariant" (the only kernel where it exists: CPUs with AVX-512 BF16, invariant.py): the codes
+  in tile order, converted to bf16 exactly, AMX tiles (or VDPBF16PS without AMX) with fp32 sums
+  in a fixed K order, the scale applied to the sum. One kernel for every M, so a row's result
+  never depends on the batch. The torch kernels above are kept for CPUs without AVX-512 BF16
+  (and TESSERA_QUANT_INVARIANT=0); they pick by M and are not batch-invariant.
 """
 
 from __future__ import annotations
