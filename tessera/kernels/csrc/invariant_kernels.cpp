@@ -73,14 +73,14 @@ void dp_tile(const at::BFloat16* a, int64_t lda, const at::BFloat16* b, int64_t 
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  const int32_t* arow[R];
-  for (int r = 0; r < R; ++r) arow[r] = reinterpret_cast<const int32_t*>(a + r * lda);
   for (int64_t p = 0; p < pairs; ++p) {
     __m512bh w[C];
     for (int c = 0; c < C; ++c)
       w[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + c * b_block + p * 32));
     for (int r = 0; r < R; ++r) {
-      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(arow[r][p]));
+      int32_t pairbits;  // the row's K pair as one 32-bit lane (memcpy: a broadcast load, no aliasing)
+      std::memcpy(&pairbits, a + r * lda + 2 * p, 4);
+      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pairbits));
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, w[c]);
     }
   }
