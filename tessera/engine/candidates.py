@@ -49,17 +49,48 @@ def kept_prefix(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     """
     rows, vocab = logits.shape
     width = _first_width(top_k, top_p, vocab)
-    result = _kept_within(logits, temperature, top_k, top_p, min_p, width)
+    norm = _row_normalizers(logits, temperature, (top_k >= vocab) & (top_p < 1.0))
+    result = _kept_within(logits, temperature, top_k, top_p, min_p, width, norm)
     exact, prefix = result
     while not bool(exact.all()):
         width = min(vocab, width * _GROWTH)
         redo = torch.nonzero(~exact).flatten()
         exact_redo, again = _kept_within(logits[redo], temperature[redo], top_k[redo], top_p[redo],
-                                         min_p[redo], width)
+                                         min_p[redo], width, (norm[0][redo], norm[1][redo]))
         prefix = _merge(prefix, again, redo)
         exact = exact.clone()
         exact[redo] = exact_redo
     return prefix
+
+
+def _row_normalizers(logits: torch.Tensor, temperature: torch.Tensor,
+                     rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max, sum) [R] in float64 of each selected row's tempered logits: a fetched token's share
+    of the whole row is exp(s - max) / sum, the softmax a top-p-only nucleus is measured against,
+    computed once per call instead of once per fetch (a wider refetch used to redo the float64
+    softmax of the whole row). The terms are float32 exps (each within 2^-24 of the float64 one),
+    summed in float32 eight at a time (7 roundings: within 7 * 2^-24) and those sums in float64:
+    all terms are positive, so the total is within 5e-7 of the float64 softmax's, inside
+    TOP_P_TOLERANCE; a float32 sum of the whole row would not be (thousands of roundings).
+    Unselected rows get (0, 1), never read."""
+    mx = torch.zeros(logits.shape[0], dtype=torch.float64, device=logits.device)
+    total = torch.ones_like(mx)
+    if bool(rows.any()):
+        picked = torch.nonzero(rows).flatten()
+        every = picked.numel() == logits.shape[0]
+        scaled = (logits if every else logits[picked]) / temperature[picked, None]
+        top = scaled.amax(-1, keepdim=True)  # exact: the max of the float32 values
+        mx[picked] = top.squeeze(1).double()
+        terms = scaled.sub_(top).exp_()
+        pad = -terms.shape[1] % _SUM_GROUP
+        if pad:
+            terms = torch.nn.functional.pad(terms, (0, pad))
+        total[picked] = terms.view(terms.shape[0], -1, _SUM_GROUP).sum(-1).double().sum(-1)
+    return mx, total
+
+
+# _row_normalizers sums this many float32 terms before going to float64.
+_SUM_GROUP = 8
 
 
 def _first_width(top_k: torch.Tensor, top_p: torch.Tensor, vocab: int) -> int:
@@ -79,9 +110,11 @@ def _value_desc_id_asc(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _kept_within(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                 min_p: torch.Tensor, width: int) -> tuple[torch.Tensor, KeptPrefix]:
+                 min_p: torch.Tensor, width: int,
+                 norm: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, KeptPrefix]:
     """Kept prefixes from the `width` largest logits of each row; `exact` [R] says for which rows
-    the answer lies inside the provably exact head of the fetch."""
+    the answer lies inside the provably exact head of the fetch. norm: _row_normalizers' (max,
+    sum) of the top-p-only rows."""
     rows, vocab = logits.shape
     values, ids, bound = head_topk(logits, width)
     width = values.shape[1]
@@ -103,11 +136,13 @@ def _kept_within(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     mass = cumulative.gather(1, (num_k - 1).clamp_min(0)[:, None]).squeeze(1)
     top_p_only = ~limited & (top_p < 1.0)
     if bool(top_p_only.any()):
-        # The nucleus is measured against the whole row's mass: a float64 softmax of the row (a
-        # nucleus of thousands of tokens is summed; float32 rounding would move its edge).
-        full_probs = (logits[top_p_only] / temperature[top_p_only, None]).double().softmax(-1)
+        # The nucleus is measured against the whole row's mass: the fetched tokens' float64 softmax
+        # over the whole row (a nucleus of thousands of tokens is summed; float32 rounding would
+        # move its edge), from the row's max and sum taken once (_row_normalizers).
         rows_p = torch.nonzero(top_p_only).flatten()
-        weights = weights.double().index_put((rows_p,), full_probs.gather(1, ids[rows_p]))
+        mx, total = norm
+        full_probs = (scaled[rows_p].double() - mx[rows_p, None]).exp_() / total[rows_p, None]
+        weights = weights.index_put((rows_p,), full_probs)
         cumulative = weights.cumsum(-1)
         mass = mass.index_put((rows_p,), torch.ones(len(rows_p), device=logits.device, dtype=mass.dtype))
     mass_before = (cumulative - weights) / mass[:, None]

@@ -89,7 +89,7 @@ def _sample_rows(
     sorts the whole vocabulary, and rows past a rejection are never looked at.
 
     Point-mass proposals (drafts[i] None) draw y_j ~ p_j with exponential_race, the Sampler's own
-    draw (a seeded request: `vocab` numbers from its generator per row reached, as plain decoding
+    draw (a seeded request: one noise key from its generator per row reached, as plain decoding
     takes them), and accept x_{j+1} iff y_j == x_{j+1}. Draft proposals are accepted when
     u_j q_j(x) < p_j(x) with u_j uniform (all k drawn first), else end with a draw from
     max(0, p_j - q_j) normalized; a sequence that accepts all k draws its last token from p_k.

@@ -136,3 +136,38 @@ def test_whole_vocabulary_draw_follows_the_weights():
     ends = draw_from_prefix(KeptPrefix(None, weights.expand(2, -1), torch.tensor([vocab, vocab])),
                             torch.tensor([0.0, 1.0 - 2**-53], dtype=torch.float64))
     assert ends.tolist() == [5, 2999]
+
+
+@pytest.mark.parametrize("vocab", [300, 49152, 49157])
+def test_row_normalizers_are_within_their_bound_of_the_float64_softmax_sum(vocab):
+    # The top-p-only nucleus is measured with these (max, sum); the docstring promises the sum is
+    # within 5e-7 (relative) of the float64 one, well inside TOP_P_TOLERANCE.
+    from tessera.engine.candidates import _row_normalizers
+
+    x = random_rows(vocab, 6, vocab) * 3
+    temperature = torch.tensor([0.2, 0.7, 1.0, 1.5, 3.0, 0.9])
+    rows = torch.tensor([True, True, True, True, True, False])
+    mx, total = _row_normalizers(x, temperature, rows)
+    scaled = (x / temperature[:, None]).double()
+    want_max = scaled.amax(-1)
+    want = (scaled - want_max[:, None]).exp().sum(-1)
+    assert torch.equal(mx[:5], want_max[:5])
+    assert ((total[:5] - want[:5]).abs() / want[:5]).max() < 5e-7
+    assert mx[5] == 0 and total[5] == 1  # unselected rows are left alone
+
+
+def test_a_top_p_only_row_keeps_the_same_weights_in_any_batch():
+    # Its weights are shares of the whole row (_row_normalizers): alone, with other rows of every
+    # kind, and as one of several top-p-only rows, the same bits.
+    vocab = 49152
+    mine = random_rows(5, 1, vocab)
+    args = (torch.tensor([0.8]), torch.tensor([vocab]), torch.tensor([0.9]), torch.tensor([0.0]))
+    alone = kept_prefix(mine, *args)
+    n = int(alone.num_kept[0])
+    for others, top_k, top_p in ((random_rows(6, 3, vocab), [5, vocab, vocab], [1.0, 0.5, 1.0]),
+                                 (random_rows(7, 9, vocab), [vocab] * 9, [0.95] * 9)):
+        batch = kept_prefix(torch.cat([others, mine]), torch.cat([torch.ones(len(others)), args[0]]),
+                            torch.tensor([*top_k, vocab]), torch.tensor([*top_p, 0.9]), torch.zeros(len(others) + 1))
+        assert int(batch.num_kept[-1]) == n
+        assert batch.token_ids[-1, :n].tolist() == alone.token_ids[0, :n].tolist()
+        assert torch.equal(batch.weights[-1, :n], alone.weights[0, :n])

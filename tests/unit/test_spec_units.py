@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from tessera.engine.kv_cache import KVCacheManager
 from tessera.engine.request import Sequence
+from tessera.engine.sampler import seeded_noise
 from tessera.sampling import SamplingParams
 from tessera.spec.controller import Candidate, SpeculationController, expected_tokens
 from tessera.spec.ngram import NgramProposer, propose_from_tokens
@@ -117,14 +118,14 @@ def test_point_mass_proposals_give_the_target_distribution():
 
 def test_point_mass_verification_reproduces_plain_seeded_sampling():
     # A seeded generator gives the same tokens (and ends in the same state) as plain decoding
-    # drawing one row of exponential noise per token.
+    # drawing one row of exponential noise per token (the sampler's seeded_noise).
     torch.manual_seed(0)
     p = torch.softmax(torch.randn(4, 50) * 2, -1)
     for seed in range(30):
         plain = torch.Generator().manual_seed(seed)
         expected = []
         for j in range(4):
-            noise = torch.empty(50).exponential_(generator=plain).clamp_min_(torch.finfo(torch.float32).tiny)
+            noise = seeded_noise([plain], 50, torch.device("cpu"))[0]
             expected.append(int((p[j] / noise).argmax()))
         proposal = expected[:2] + [(expected[2] + 1) % 50]  # two right, the third wrong
         gen = torch.Generator().manual_seed(seed)
@@ -132,7 +133,7 @@ def test_point_mass_verification_reproduces_plain_seeded_sampling():
         assert m == 2 and tokens == expected[:3]
         after = torch.Generator().manual_seed(seed)
         for _ in range(3):
-            torch.empty(50).exponential_(generator=after)
+            seeded_noise([after], 50, torch.device("cpu"))
         assert torch.equal(gen.get_state(), after.get_state())
 
 
