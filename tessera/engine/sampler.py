@@ -159,8 +159,8 @@ def seeded_noise(generators: Sequence[torch.Generator], vocab: int, device: torc
     gives the same noise whichever device the logits are on), and token t's noise is -log(u),
     u = (24 bits of mix(mix(t ^ k0) ^ k1) + 0.5) / 2^24, in (0, 1): exact integer arithmetic, so
     the same on any device and in any batch."""
-    keys = torch.stack([torch.randint(0, 2**31 - 1, (2,), generator=gen, dtype=torch.int64).to(device)
-                        for gen in generators])
+    keys = torch.stack([torch.randint(0, 2**31 - 1, (2,), generator=gen, dtype=torch.int64,
+                                      device=gen.device).to(device) for gen in generators])
     x = torch.arange(vocab, dtype=torch.int64, device=device)[None, :] ^ keys[:, :1]
     tmp = torch.empty_like(x)
     step = max(1, _HASH_CHUNK // max(vocab, 1))  # rows per pass: their int64 state stays in L2
