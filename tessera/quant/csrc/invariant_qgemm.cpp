@@ -341,6 +341,25 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void co
   }
 }
 
+// The fp32 accumulators of R rows (from r0) x B column blocks (from nb0) into out, the INT8
+// format's per-column scale applied (the AVX-512 paths below share it).
+template <int R, int B>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void store_acc(
+    const Weight& w, const __m512 (&acc)[R][B], int64_t nb0, int64_t r0, void* out, at::ScalarType dtype) {
+  const int esize = dtype == at::kBFloat16 ? 2 : 4;
+  alignas(64) float row[16];
+  for (int b = 0; b < B; ++b) {
+    const int64_t col0 = (nb0 + b) * 16;
+    if (col0 >= w.n) continue;
+    const int cols = static_cast<int>(std::min<int64_t>(16, w.n - col0));
+    const float* scale = w.fmt == kInt8 ? static_cast<const float*>(w.scale) + col0 : nullptr;
+    for (int r = 0; r < R; ++r) {
+      _mm512_store_ps(row, acc[r][b]);
+      store_row(row, scale, dtype, static_cast<char*>(out) + ((r0 + r) * w.n + col0) * esize, cols);
+    }
+  }
+}
+
 // R rows x the pair's 2 column blocks without AMX: per output one VDPBF16PS chain over the k
 // pairs, per K step the products in column_pair's order (A_hi B_hi, A_hi B_lo, A_lo B_hi).
 template <int R>
@@ -369,18 +388,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void dp_pair_rows(
     if (w_lo) products(a_hi, tiles.get(0, ks, true), tiles.get(1, ks, true), ks * 32);
     if (a_lo) products(a_lo, h0, h1, ks * 32);
   }
-  const int esize = dtype == at::kBFloat16 ? 2 : 4;
-  alignas(64) float row[16];
-  for (int q = 0; q < 2; ++q) {
-    const int64_t col0 = (tiles.nb0 + q) * 16;
-    if (col0 >= w.n) continue;
-    const int cols = static_cast<int>(std::min<int64_t>(16, w.n - col0));
-    const float* scale = w.fmt == kInt8 ? static_cast<const float*>(w.scale) + col0 : nullptr;
-    for (int r = 0; r < R; ++r) {
-      _mm512_store_ps(row, acc[r][q]);
-      store_row(row, scale, dtype, static_cast<char*>(out) + ((r0 + r) * w.n + col0) * esize, cols);
-    }
-  }
+  store_acc<R, 2>(w, acc, tiles.nb0, r0, out, dtype);
 }
 
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void column_pair_avx512(
@@ -445,18 +453,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void dp_small(
     if (w_lo) products(a_hi, lo, ks * 32);
     if (a_lo) products(a_lo, hi, ks * 32);
   }
-  const int esize = dtype == at::kBFloat16 ? 2 : 4;
-  alignas(64) float row[16];
-  for (int b = 0; b < B; ++b) {
-    const int64_t col0 = (nb0 + b) * 16;
-    if (col0 >= w.n) continue;
-    const int cols = static_cast<int>(std::min<int64_t>(16, w.n - col0));
-    const float* scale = w.fmt == kInt8 ? static_cast<const float*>(w.scale) + col0 : nullptr;
-    for (int r = 0; r < R; ++r) {
-      _mm512_store_ps(row, acc[r][b]);
-      store_row(row, scale, dtype, static_cast<char*>(out) + (r * w.n + col0) * esize, cols);
-    }
-  }
+  store_acc<R, B>(w, acc, nb0, 0, out, dtype);
 }
 
 template <int B>
@@ -575,17 +572,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void int4_rows(
       }
     }
   }
-  const int esize = dtype == at::kBFloat16 ? 2 : 4;
-  alignas(64) float row[16];
-  for (int b = 0; b < B; ++b) {
-    const int64_t col0 = (nb0 + b) * 16;
-    if (col0 >= w.n) continue;
-    const int cols = static_cast<int>(std::min<int64_t>(16, w.n - col0));
-    for (int r = 0; r < R; ++r) {
-      _mm512_store_ps(row, acc[r][b]);
-      store_row(row, nullptr, dtype, static_cast<char*>(out) + ((r0 + r) * w.n + col0) * esize, cols);
-    }
-  }
+  store_acc<R, B>(w, acc, nb0, r0, out, dtype);  // INT4: no per-column scale (w.fmt is not INT8)
 }
 
 template <int B, typename Tiles>
