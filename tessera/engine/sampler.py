@@ -21,9 +21,9 @@ id) (`seeded_noise`), and nothing else touches that generator, so its tokens do 
 other rows in the batch or on which code path the batch took (the speculative verifier draws the
 same way, so speculation does not change them). The hash instead of `vocab` draws from the
 generator itself: torch's CPU generator makes about one number per 25 ns, so a 49152-token race
-cost ~1.2 ms a row (40 ms a step at batch 32); the hash runs vectorized over all seeded rows. Unseeded rows
-take one float64 uniform each from the shared generator and invert the CDF of their kept
-tokens, which costs nothing per vocabulary entry. Greedy rows draw nothing.
+cost ~1.2 ms a row (40 ms a step at batch 32); the hash runs vectorized over all seeded rows.
+Unseeded rows take one float64 uniform each from the shared generator and invert the CDF of their
+kept tokens, which costs nothing per vocabulary entry. Greedy rows draw nothing.
 """
 
 from __future__ import annotations
@@ -157,8 +157,9 @@ def seeded_noise(generators: Sequence[torch.Generator], vocab: int, device: torc
     """[len(generators), vocab] float32 Exponential(1) noise, one row per generator: each takes
     one key from its generator (two 31-bit integers, drawn on the generator's device, so a seed
     gives the same noise whichever device the logits are on), and token t's noise is -log(u),
-    u = (24 bits of mix(mix(t ^ k0) ^ k1) + 0.5) / 2^24, in (0, 1): exact integer arithmetic, so
-    the same on any device and in any batch."""
+    u = (23 bits of mix(mix(t ^ k0) ^ k1) + 0.5) / 2^23: exact integer arithmetic, so the same on
+    any device and in any batch. 23 bits, not 24, so that v + 0.5 is exact in float32 and u stays
+    below 1 (with 24 the top value rounded to u = 1, noise 0: a token that always won its race)."""
     keys = torch.stack([torch.randint(0, 2**31 - 1, (2,), generator=gen, dtype=torch.int64,
                                       device=gen.device).to(device) for gen in generators])
     x = torch.arange(vocab, dtype=torch.int64, device=device)[None, :] ^ keys[:, :1]
@@ -167,8 +168,8 @@ def seeded_noise(generators: Sequence[torch.Generator], vocab: int, device: torc
     for r in range(0, len(generators), step):
         rows, scratch = x[r : r + step], tmp[r : r + step]
         _mix32_(rows, scratch).bitwise_xor_(keys[r : r + step, 1:])
-        _mix32_(rows, scratch).bitwise_right_shift_(8)
-    return x.to(torch.float32).add_(0.5).mul_(1.0 / (1 << 24)).log_().neg_()
+        _mix32_(rows, scratch).bitwise_right_shift_(9)
+    return x.to(torch.float32).add_(0.5).mul_(1.0 / (1 << 23)).log_().neg_()
 
 
 # seeded_noise hashes this many tokens per pass (int64 state and scratch: 1.5 MiB).

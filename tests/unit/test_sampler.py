@@ -452,3 +452,13 @@ def test_seeded_noise_is_exponential_and_keyed_by_its_generator():
     one = torch.Generator().manual_seed(7)
     first, second = seeded_noise([one], 100, torch.device("cpu")), seeded_noise([one], 100, torch.device("cpu"))
     assert not torch.equal(first, second)
+
+
+def test_seeded_noise_is_never_zero_even_at_the_top_hash_value(monkeypatch):
+    # Noise 0 would make its token win the race whatever its probability: the largest hash value
+    # must still give u < 1 (float32 rounding of v + 0.5 once made it exactly 1).
+    import tessera.engine.sampler as sampler_mod
+
+    monkeypatch.setattr(sampler_mod, "_mix32_", lambda x, tmp: x.fill_(0xFFFFFFFF))
+    noise = sampler_mod.seeded_noise([torch.Generator().manual_seed(0)], 8, torch.device("cpu"))
+    assert bool((noise > 0).all())
