@@ -360,52 +360,66 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void store_acc(
   }
 }
 
-// R rows x the pair's 2 column blocks without AMX: per output one VDPBF16PS chain over the k
-// pairs, per K step the products in column_pair's order (A_hi B_hi, A_hi B_lo, A_lo B_hi).
-template <int R>
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void dp_pair_rows(
-    const Weight& w, const PairTiles& tiles, const uint16_t* a_hi, const uint16_t* a_lo, bool w_lo, int64_t r0,
-    void* out, at::ScalarType dtype) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  auto products = [&](const uint16_t* a, const uint16_t* b0, const uint16_t* b1, int64_t k0) {
-    for (int p = 0; p < 16; ++p) {
-      const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b0 + p * 32));
-      const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b1 + p * 32));
-      for (int r = 0; r < R; ++r) {
-        int32_t pairbits;
-        std::memcpy(&pairbits, a + (r0 + r) * w.kp + k0 + 2 * p, 4);
-        const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pairbits));
-        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
-        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
-      }
+// acc[r][b] += one K step of rows r0.. of a (from element k0, row stride kp) times the B tiles t[b]:
+// per k pair in order, one VDPBF16PS per output. Every AVX-512 path below multiplies through it.
+template <int R, int B>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void dp_step(
+    __m512 (&acc)[R][B], const uint16_t* a, int64_t kp, int64_t r0, int64_t k0, const uint16_t* const* t) {
+  for (int p = 0; p < 16; ++p) {
+    __m512bh wv[B];
+    for (int b = 0; b < B; ++b) wv[b] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(t[b] + p * 32));
+    for (int r = 0; r < R; ++r) {
+      int32_t pairbits;
+      std::memcpy(&pairbits, a + (r0 + r) * kp + k0 + 2 * p, 4);
+      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pairbits));
+      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
     }
-  };
-  for (int64_t ks = 0; ks < w.kp / 32; ++ks) {
-    const uint16_t* h0 = tiles.get(0, ks, false);
-    const uint16_t* h1 = tiles.get(1, ks, false);
-    products(a_hi, h0, h1, ks * 32);
-    if (w_lo) products(a_hi, tiles.get(0, ks, true), tiles.get(1, ks, true), ks * 32);
-    if (a_lo) products(a_lo, h0, h1, ks * 32);
   }
-  store_acc<R, 2>(w, acc, tiles.nb0, r0, out, dtype);
 }
 
+// R rows (from r0) x B column blocks (from nb0) without AMX: per K step the products in
+// column_pair's order (A_hi B_hi, A_hi B_lo, A_lo B_hi); tiles(ks, hi, lo) points hi[b] and lo[b]
+// at the K step's tiles (lo read only with w_lo).
+template <int R, int B, typename Tiles>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void dp_rows(
+    const Weight& w, int64_t nb0, int64_t r0, const uint16_t* a_hi, const uint16_t* a_lo, bool w_lo, Tiles&& tiles,
+    void* out, at::ScalarType dtype) {
+  __m512 acc[R][B];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
+  const uint16_t* hi[B];
+  const uint16_t* lo[B];
+  for (int64_t ks = 0; ks < w.kp / 32; ++ks) {
+    tiles(ks, hi, lo);
+    dp_step<R, B>(acc, a_hi, w.kp, r0, ks * 32, hi);
+    if (w_lo) dp_step<R, B>(acc, a_hi, w.kp, r0, ks * 32, lo);
+    if (a_lo) dp_step<R, B>(acc, a_lo, w.kp, r0, ks * 32, hi);
+  }
+  store_acc<R, B>(w, acc, nb0, r0, out, dtype);
+}
+
+// One column pair for every row: its whole K dequantized once (dequant_pair), 8-row tiles over it.
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void column_pair_avx512(
     const Weight& w, int64_t pair, const uint16_t* a_hi, const uint16_t* a_lo, bool w_lo, int64_t m, uint16_t* bbuf,
     void* out, at::ScalarType dtype) {
   const PairTiles tiles = dequant_pair(w, pair, w_lo, bbuf);
+  auto get = [&](int64_t ks, const uint16_t** hi, const uint16_t** lo) {
+    for (int b = 0; b < 2; ++b) {
+      hi[b] = tiles.get(b, ks, false);
+      lo[b] = w_lo ? tiles.get(b, ks, true) : nullptr;
+    }
+  };
   constexpr int kRows = 8;  // 16 accumulators, 2 weight vectors
   for (int64_t r0 = 0; r0 < m; r0 += kRows) {
     switch (std::min<int64_t>(kRows, m - r0)) {
-      case 8: dp_pair_rows<8>(w, tiles, a_hi, a_lo, w_lo, r0, out, dtype); break;
-      case 7: dp_pair_rows<7>(w, tiles, a_hi, a_lo, w_lo, r0, out, dtype); break;
-      case 6: dp_pair_rows<6>(w, tiles, a_hi, a_lo, w_lo, r0, out, dtype); break;
-      case 5: dp_pair_rows<5>(w, tiles, a_hi, a_lo, w_lo, r0, out, dtype); break;
-      case 4: dp_pair_rows<4>(w, tiles, a_hi, a_lo, w_lo, r0, out, dtype); break;
-      case 3: dp_pair_rows<3>(w, tiles, a_hi, a_lo, w_lo, r0, out, dtype); break;
-      case 2: dp_pair_rows<2>(w, tiles, a_hi, a_lo, w_lo, r0, out, dtype); break;
-      default: dp_pair_rows<1>(w, tiles, a_hi, a_lo, w_lo, r0, out, dtype); break;
+      case 8: dp_rows<8, 2>(w, tiles.nb0, r0, a_hi, a_lo, w_lo, get, out, dtype); break;
+      case 7: dp_rows<7, 2>(w, tiles.nb0, r0, a_hi, a_lo, w_lo, get, out, dtype); break;
+      case 6: dp_rows<6, 2>(w, tiles.nb0, r0, a_hi, a_lo, w_lo, get, out, dtype); break;
+      case 5: dp_rows<5, 2>(w, tiles.nb0, r0, a_hi, a_lo, w_lo, get, out, dtype); break;
+      case 4: dp_rows<4, 2>(w, tiles.nb0, r0, a_hi, a_lo, w_lo, get, out, dtype); break;
+      case 3: dp_rows<3, 2>(w, tiles.nb0, r0, a_hi, a_lo, w_lo, get, out, dtype); break;
+      case 2: dp_rows<2, 2>(w, tiles.nb0, r0, a_hi, a_lo, w_lo, get, out, dtype); break;
+      default: dp_rows<1, 2>(w, tiles.nb0, r0, a_hi, a_lo, w_lo, get, out, dtype); break;
     }
   }
 }
@@ -414,33 +428,16 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void column_pair_avx512(
 // dequantized into a small buffer that stays in L1 and multiplied at once, the rows' accumulators in
 // registers over all of K: B independent chains per row instead of two, and no whole-K buffer
 // through L2. The tiles hold dequant_tile's values and every output takes the same products in
-// the same order as in dp_pair_rows, so both paths give the same bits (tests: M = 1..64, 100, 300).
-template <int R, int B>
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void dp_small(
-    const Weight& w, int64_t nb0, const uint16_t* a_hi, const uint16_t* a_lo, bool w_lo, uint16_t* buf, void* out,
-    at::ScalarType dtype) {
+// the same order as column_pair_avx512's, so both paths give the same bits (tests: M = 1..64, 100,
+// 300).
+template <int B>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void small_rows(
+    int64_t m, const Weight& w, int64_t nb0, const uint16_t* a_hi, const uint16_t* a_lo, bool w_lo, uint16_t* buf,
+    void* out, at::ScalarType dtype) {
   const int64_t kb = w.kp / 32;
-  const bool direct = w.fmt == kBf16;
-  __m512 acc[R][B];
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
-  const uint16_t* hi[B];
-  const uint16_t* lo[B];
-  auto products = [&](const uint16_t* a, const uint16_t* const* t, int64_t k0) {
-    for (int p = 0; p < 16; ++p) {
-      __m512bh wv[B];
-      for (int b = 0; b < B; ++b) wv[b] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(t[b] + p * 32));
-      for (int r = 0; r < R; ++r) {
-        int32_t pairbits;
-        std::memcpy(&pairbits, a + r * w.kp + k0 + 2 * p, 4);
-        const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pairbits));
-        for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
-      }
-    }
-  };
-  for (int64_t ks = 0; ks < kb; ++ks) {
+  auto get = [&](int64_t ks, const uint16_t** hi, const uint16_t** lo) {
     for (int b = 0; b < B; ++b) {
-      if (direct) {
+      if (w.fmt == kBf16) {  // already B tiles: read in place
         hi[b] = static_cast<const uint16_t*>(w.codes) + ((nb0 + b) * kb + ks) * 512;
         lo[b] = w.zero ? static_cast<const uint16_t*>(w.zero) + ((nb0 + b) * kb + ks) * 512 : nullptr;
       } else {
@@ -449,22 +446,12 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void dp_small(
         dequant_tile(w, nb0 + b, ks, buf + b * 512, w_lo ? buf + (B + b) * 512 : nullptr);
       }
     }
-    products(a_hi, hi, ks * 32);
-    if (w_lo) products(a_hi, lo, ks * 32);
-    if (a_lo) products(a_lo, hi, ks * 32);
-  }
-  store_acc<R, B>(w, acc, nb0, 0, out, dtype);
-}
-
-template <int B>
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void small_rows(
-    int64_t m, const Weight& w, int64_t nb0, const uint16_t* a_hi, const uint16_t* a_lo, bool w_lo, uint16_t* buf,
-    void* out, at::ScalarType dtype) {
+  };
   switch (m) {
-    case 4: dp_small<4, B>(w, nb0, a_hi, a_lo, w_lo, buf, out, dtype); break;
-    case 3: dp_small<3, B>(w, nb0, a_hi, a_lo, w_lo, buf, out, dtype); break;
-    case 2: dp_small<2, B>(w, nb0, a_hi, a_lo, w_lo, buf, out, dtype); break;
-    default: dp_small<1, B>(w, nb0, a_hi, a_lo, w_lo, buf, out, dtype); break;
+    case 4: dp_rows<4, B>(w, nb0, 0, a_hi, a_lo, w_lo, get, out, dtype); break;
+    case 3: dp_rows<3, B>(w, nb0, 0, a_hi, a_lo, w_lo, get, out, dtype); break;
+    case 2: dp_rows<2, B>(w, nb0, 0, a_hi, a_lo, w_lo, get, out, dtype); break;
+    default: dp_rows<1, B>(w, nb0, 0, a_hi, a_lo, w_lo, get, out, dtype); break;
   }
 }
 
@@ -545,22 +532,10 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void int4_rows(
     __m512 part[R][B];
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < B; ++b) part[r][b] = _mm512_setzero_ps();
-    auto products = [&](const uint16_t* a, int64_t k0) {
-      for (int p = 0; p < 16; ++p) {
-        __m512bh wv[B];
-        for (int b = 0; b < B; ++b) wv[b] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(t[b] + p * 32));
-        for (int r = 0; r < R; ++r) {
-          int32_t pairbits;
-          std::memcpy(&pairbits, a + (r0 + r) * w.kp + k0 + 2 * p, 4);
-          const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pairbits));
-          for (int b = 0; b < B; ++b) part[r][b] = _mm512_dpbf16_ps(part[r][b], xv, wv[b]);
-        }
-      }
-    };
     for (int64_t ks = g * per; ks < (g + 1) * per; ++ks) {
       tiles(ks, t);
-      products(a_hi, ks * 32);
-      if (a_lo) products(a_lo, ks * 32);
+      dp_step<R, B>(part, a_hi, w.kp, r0, ks * 32, t);
+      if (a_lo) dp_step<R, B>(part, a_lo, w.kp, r0, ks * 32, t);
     }
     for (int b = 0; b < B; ++b) {
       const int64_t sidx = ((nb0 + b) * w.groups + g) * 16;
