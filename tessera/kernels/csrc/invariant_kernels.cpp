@@ -218,31 +218,50 @@ inline void prefetch_tiles(const at::BFloat16* b0, const at::BFloat16* b1, int64
   }
 }
 
+// Rows of A one task keeps in L2 while it walks column pairs: above this a task per column pair
+// would re-read all of A from memory (M = 2048 ran at half oneDNN's rate).
+constexpr int64_t kRowBlockBytes = 768 << 10;
+
+// Tile groups (of 16 rows) per row block: the fewest equal blocks that each fit kRowBlockBytes,
+// rounded to whole 32-row groups.
+int64_t row_block_tiles(int64_t m_tiles, int64_t kp) {
+  const int64_t cap = std::max<int64_t>(2, kRowBlockBytes / (16 * kp * 2) / 2 * 2);
+  const int64_t blocks = (m_tiles + cap - 1) / cap;
+  const int64_t per = (m_tiles + blocks - 1) / blocks;
+  return (per + 1) / 2 * 2;
+}
+
 // C[M, N] = A[Mp, Kp] (bf16, rows padded to 16, K to 32) x B (VNNI-packed [Np/16][Kp/2][16][2]).
-// Rows go 32 at a time (two A tiles share each B tile); a last group of at most 16 rows uses one
-// A tile and half the tile products. Either way a C tile row is its A row times B, summed over K
-// in the same order, so the grouping never changes a row's result.
+// Tasks are (row block) x (column pair), row block outermost, so a thread's run of tasks walks
+// column pairs over one block of A held in L2. Rows go 32 at a time (two A tiles share each B
+// tile); a last group of at most 16 rows uses one A tile and half the tile products. Either way a
+// C tile row is its A row times B, summed over K in the same order, so neither the blocking nor
+// the grouping ever changes a row's result.
 // out is bf16, or (out_f32 set instead) fp32 holding the bf16-rounded values.
 void amx_gemm(
     const at::BFloat16* a, const at::BFloat16* b, const float* bias, at::BFloat16* out, float* out_f32, int64_t m,
     int64_t mp, int64_t n, int64_t np, int64_t kp) {
   const int64_t n_pairs = np / 32, m_tiles = mp / 16, k_steps = kp / 32;
   const int64_t b_block = (kp / 2) * 32;  // bf16 elements of one 16-column block
-  at::parallel_for(0, n_pairs, 1, [&](int64_t begin, int64_t end) {
+  const int64_t block_tiles = row_block_tiles(m_tiles, kp);
+  const int64_t row_blocks = (m_tiles + block_tiles - 1) / block_tiles;
+  at::parallel_for(0, row_blocks * n_pairs, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
     alignas(64) float c[4][16 * 16];
-    for (int64_t np_i = begin; np_i < end; ++np_i) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t np_i = task % n_pairs, mt0 = (task / n_pairs) * block_tiles;
+      const int64_t mt_end = std::min(m_tiles, mt0 + block_tiles);
       const at::BFloat16* b0 = b + (2 * np_i) * b_block;
       const at::BFloat16* b1 = b0 + b_block;
-      for (int64_t mt = 0; mt < m_tiles; mt += 2) {
-        const bool two = mt + 1 < m_tiles;
+      for (int64_t mt = mt0; mt < mt_end; mt += 2) {
+        const bool two = mt + 1 < mt_end;
         const at::BFloat16* a0 = a + mt * 16 * kp;
         const at::BFloat16* a1 = a0 + 16 * kp;
         _tile_zero(0);
         _tile_zero(1);
-        // The first row group streams B from memory: prefetch it kPrefetch tiles ahead (the tile
-        // loads alone leave too few misses in flight to reach the bandwidth at decode sizes).
-        const bool stream = mt == 0;
+        // A block's first row group streams B from memory: prefetch it kPrefetch tiles ahead (the
+        // tile loads alone leave too few misses in flight to reach the bandwidth at decode sizes).
+        const bool stream = mt == mt0;
         if (two) {
           _tile_zero(2);
           _tile_zero(3);
