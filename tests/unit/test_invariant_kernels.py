@@ -150,6 +150,46 @@ def test_paged_attention_matches_softmax_formula(dtype, heads, block_size, arith
     assert torch.equal(single[0], out[last])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arithmetic", ARITHMETICS)
+def test_a_lone_decode_split_over_kv_heads_equals_it_in_a_batch(dtype, arithmetic, monkeypatch):
+    """With fewer sequences than threads the kernel gives each KV head its own work item (one
+    decode would otherwise run on one core): the rows must be the bits they are in a batch,
+    where one item covers all heads, and match the formula."""
+    h, hkv, d, block_size = 9, 3, 64, 16
+    _use_arithmetic(monkeypatch, arithmetic, dtype == torch.bfloat16)
+    gen = torch.Generator().manual_seed(4)
+    num_blocks = 80
+    k_cache = torch.randn(num_blocks * block_size, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks * block_size, hkv, d, generator=gen).to(dtype)
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    ctxs = [300, 41, 77, 5, 260, 16, 99, 130]
+    tables, cursor = [], 0
+    for c in ctxs:
+        tables.append(perm[cursor: cursor + -(-c // block_size)])
+        cursor += -(-c // block_size)
+    q = torch.randn(len(ctxs), h, d, generator=gen).to(dtype)
+    backend = InvariantCPUAttention()
+
+    def decode(rows):
+        md = _metadata([tables[i] for i in rows], [ctxs[i] for i in rows], [], block_size)
+        backend.begin_step(md)
+        k_new, v_new = k_cache[md.slot_mapping].clone(), v_cache[md.slot_mapping].clone()
+        return backend.forward(0, q[rows], k_new, v_new, (k_cache, v_cache), md, d**-0.5)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        batch = decode(list(range(len(ctxs))))  # 8 items: one per sequence, all heads
+        alone = decode([0])  # 1 item < 2 threads: split per KV head
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone[0], batch[0])
+    ref = _naive_attention(q[0], k_cache, v_cache, torch.tensor(slots_for_positions(tables[0], 0, ctxs[0], block_size)),
+                           d**-0.5)
+    assert (alone[0].double() - ref).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
 def _greedy(engine, prompts, max_tokens=12, with_logprobs=False):
     """Greedy token ids per prompt; with_logprobs: (token, logprob) pairs, whose exact float
     values show any change in the hidden states even where the argmax does not move."""

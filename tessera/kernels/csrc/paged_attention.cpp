@@ -556,6 +556,7 @@ struct Workspace {
   std::vector<at::BFloat16> bq, kstage, pa, vb;
   std::vector<float> cs, pv, corr;
   int nbt = 0;  // C tiles (16 query rows each) per KV head
+  int64_t kvh0 = 0, kvh1 = 0;  // the work item's KV heads [kvh0, kvh1)
 };
 
 struct Problem {
@@ -643,13 +644,14 @@ void amx_attend_item(const Problem& pb, const int32_t* table, int tq, const int6
     // hardware prefetcher at every block edge. (The values: decode b32 0.56 -> 0.54 ms a layer on
     // a Sapphire Rapids-class Xeon; the V loads were half the samples. Prefetching the next work
     // item's rows as well measured no better.)
+    const int64_t pf0 = ws.kvh0 * D * 2, pf1 = ws.kvh1 * D * 2;  // the item's heads' bytes of a row
     for (int i = 0; i < nks * 32; ++i)
       if (slot[i] >= 0)
-        for (int64_t b = 0; b < row_stride * 2; b += 64)
+        for (int64_t b = pf0; b < pf1; b += 64)
           __builtin_prefetch(reinterpret_cast<const char*>(kc + slot[i] * row_stride) + b, 0, 2);
     for (int i = 0; i < nks * 32; ++i)
       if (slot[i] >= 0)
-        for (int64_t b = 0; b < row_stride * 2; b += 64)
+        for (int64_t b = pf0; b < pf1; b += 64)
           __builtin_prefetch(reinterpret_cast<const char*>(vc + slot[i] * row_stride) + b, 0, 2);
     // Scores: per tile, the keys in place when its 16 slots are consecutive, else staged.
     ScoreJob jobs[64];
@@ -673,7 +675,7 @@ void amx_attend_item(const Problem& pb, const int32_t* table, int tq, const int6
         }
         base = stage;
       }
-      for (int64_t kvh = 0; kvh < hkv; ++kvh)
+      for (int64_t kvh = ws.kvh0; kvh < ws.kvh1; ++kvh)
         for (int nb = 0; nb < nbt; ++nb) {
           jobs[njobs++] = {base + kvh * D, ws.bq.data() + (kvh * nbt + nb) * ksteps * 512,
                            ws.cs.data() + ((kvh * nbt + nb) * kChunkTiles + i) * 256};
@@ -684,7 +686,7 @@ void amx_attend_item(const Problem& pb, const int32_t* table, int tq, const int6
         }
     }
     if (njobs) amx_scores(jobs, njobs, row_stride * 2, ksteps);
-    for (int64_t kvh = 0; kvh < hkv; ++kvh) {
+    for (int64_t kvh = ws.kvh0; kvh < ws.kvh1; ++kvh) {
       for (int i = 0; i < nks * 32; ++i) off[i] = slot[i] < 0 ? -1 : slot[i] * row_stride + kvh * D;
       float* cs = ws.cs.data() + kvh * nbt * kChunkTiles * 256;
       // Many rows (a prefill item): transpose each C tile in place, so a row's 16 scores are one
@@ -814,7 +816,7 @@ void attend_item(const Problem& pb, const int32_t* table, const int32_t* ctx, in
   float kscale[kLanes], vscale[kLanes];
   for (int64_t start = lo_all / kLanes * kLanes; start < hi_all; start += kLanes) {
     tile_slots(start, slots);
-    for (int64_t kvh = 0; kvh < hkv; ++kvh) {
+    for (int64_t kvh = ws.kvh0; kvh < ws.kvh1; ++kvh) {
       for (int j = 0; j < kLanes; ++j) {
         off[j] = slots[j] < 0 ? -1 : slots[j] * row_stride + kvh * D;
         kscale[j] = scaled && slots[j] >= 0 ? pb.k_scales[slots[j] * hkv + kvh] : 1.f;
@@ -885,6 +887,7 @@ void run(const at::Tensor& q, const Problem& pb, AttendFn attend, const int32_t*
   struct Item {
     int64_t first, cost;
     int tq;
+    int64_t kvh0, kvh1;  // KV heads [kvh0, kvh1)
   };
   std::vector<Item> items;
   for (int64_t i = 0; i < t;) {
@@ -895,13 +898,25 @@ void run(const at::Tensor& q, const Problem& pb, AttendFn attend, const int32_t*
       lo = std::min<int64_t>(lo, pb.window > 0 ? std::max<int64_t>(0, ctx[x] - pb.window) : 0);
       hi = std::max<int64_t>(hi, ctx[x]);
     }
-    items.push_back({i, ((hi - lo) / kLanes + 1) * ((j - i) * g + 8), static_cast<int>(j - i)});
+    items.push_back({i, ((hi - lo) / kLanes + 1) * ((j - i) * g + 8), static_cast<int>(j - i), 0, pb.hkv});
     i = j;
+  }
+  // Fewer items than threads (a decode of one or a few sequences): an item per KV head instead.
+  // Each KV head's rows are computed alone either way (same arithmetic, same bits); only the
+  // sharing of a slot's row between the heads' loads is given up.
+  if (pb.hkv > 1 && static_cast<int64_t>(items.size()) < at::get_num_threads()) {
+    std::vector<Item> split;
+    for (const Item& it : items)
+      for (int64_t kvh = 0; kvh < pb.hkv; ++kvh) split.push_back({it.first, it.cost / pb.hkv, it.tq, kvh, kvh + 1});
+    items.swap(split);
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   const float fscale = static_cast<float>(scale);
   auto work = [&](const Item& it, Workspace& ws) {
     const int64_t rows = it.tq * h;
+    ws.kvh0 = it.kvh0;
+    ws.kvh1 = it.kvh1;
+    const int64_t head0 = it.kvh0 * g, head1 = it.kvh1 * g;  // the item's query heads
     if (pb.amx) {
       // Q^T tiles per KV head: column n = t * g + (head % g) holds the row's d as VNNI pairs,
       // tile (kvh, nb, ks) = 16 pairs x 16 columns x 2; unused columns are zero.
@@ -909,7 +924,7 @@ void run(const at::Tensor& q, const Problem& pb, AttendFn attend, const int32_t*
       ws.nbt = static_cast<int>((it.tq * g + 15) / 16);
       ws.bq.assign(static_cast<size_t>(pb.hkv) * ws.nbt * ksteps * 512, at::BFloat16(0.f));
       for (int64_t t = 0; t < it.tq; ++t)
-        for (int64_t head = 0; head < h; ++head) {
+        for (int64_t head = head0; head < head1; ++head) {
           const int64_t kvh = head / g, n = t * g + head % g, nb = n / 16, col = n % 16;
           const T* src = qp + ((it.first + t) * h + head) * d;
           at::BFloat16* tile = ws.bq.data() + (kvh * ws.nbt + nb) * ksteps * 512;
@@ -932,6 +947,7 @@ void run(const at::Tensor& q, const Problem& pb, AttendFn attend, const int32_t*
     }
     attend(pb, pb.tables + static_cast<int64_t>(seq_idx[it.first]) * pb.max_blocks, ctx + it.first, it.tq, ws);
     for (int64_t r = 0; r < rows; ++r) {
+      if (r % h < head0 || r % h >= head1) continue;  // row t * H + head
       const float inv = ws.den[r] > 0.f ? 1.f / ws.den[r] : 0.f;
       T* dst = op + (it.first * h + r) * d;
       const float* a = ws.acc.data() + r * d;
