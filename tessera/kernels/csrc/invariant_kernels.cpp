@@ -209,9 +209,14 @@ void configure_tiles() {
 
 constexpr int64_t kPrefetch = 8;  // B tiles (1 KiB each) ahead of the one being loaded
 
-inline void prefetch_tiles(const at::BFloat16* b0, const at::BFloat16* b1, int64_t ks) {
-  const char* p0 = reinterpret_cast<const char*>(b0 + (ks + kPrefetch) * 16 * 32);
-  const char* p1 = reinterpret_cast<const char*>(b1 + (ks + kPrefetch) * 16 * 32);
+// Tile ks + kPrefetch of the pair's two column blocks; past the pair's last tile, the same tile
+// of the next pair's blocks (the next task's, in the packed order): both of them, so the next
+// pair's first tiles are on their way too (without the skip, b0's overrun fetched b1's first
+// tiles late, while b1's fetched only the next b0).
+inline void prefetch_tiles(const at::BFloat16* b0, const at::BFloat16* b1, int64_t ks, int64_t k_steps) {
+  const int64_t skip = ks + kPrefetch >= k_steps ? k_steps * 16 * 32 : 0;  // one block: b0 -> next b0
+  const char* p0 = reinterpret_cast<const char*>(b0 + (ks + kPrefetch) * 16 * 32 + skip);
+  const char* p1 = reinterpret_cast<const char*>(b1 + (ks + kPrefetch) * 16 * 32 + skip);
   for (int line = 0; line < 1024; line += 64) {
     _mm_prefetch(p0 + line, _MM_HINT_T0);
     _mm_prefetch(p1 + line, _MM_HINT_T0);
@@ -266,7 +271,7 @@ void amx_gemm(
           _tile_zero(2);
           _tile_zero(3);
           for (int64_t ks = 0; ks < k_steps; ++ks) {
-            if (stream) prefetch_tiles(b0, b1, ks);
+            if (stream) prefetch_tiles(b0, b1, ks, k_steps);
             _tile_loadd(4, a0 + ks * 32, kp * 2);
             _tile_loadd(5, a1 + ks * 32, kp * 2);
             _tile_loadd(6, b0 + ks * 16 * 32, 64);
@@ -278,7 +283,7 @@ void amx_gemm(
           }
         } else {
           for (int64_t ks = 0; ks < k_steps; ++ks) {
-            if (stream) prefetch_tiles(b0, b1, ks);
+            if (stream) prefetch_tiles(b0, b1, ks, k_steps);
             _tile_loadd(4, a0 + ks * 32, kp * 2);
             _tile_loadd(6, b0 + ks * 16 * 32, 64);
             _tile_loadd(7, b1 + ks * 16 * 32, 64);
