@@ -341,6 +341,57 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void co
   }
 }
 
+// Decode sizes on AMX (at most 32 rows, bf16 activations, a quantized format): each K step's two
+// tiles dequantized into a 2 KiB buffer that stays in L1 and multiplied at once, one or two row
+// tiles into C tiles 0-1 and 2-3 (free: there is no remainder without float32 activations).
+// column_pair's whole-K buffer went through L2 at K = 1536 and kept the dequantization of one
+// step from overlapping the products of the last. The same B tiles, and per C tile the same
+// products in the same order as column_pair's: the same bits.
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void column_pair_small(
+    const Weight& w, int64_t pair, const uint16_t* a_hi, int64_t m, int64_t mp, void* out, at::ScalarType dtype) {
+  const int64_t kb = w.kp / 32, nb0 = 2 * pair;
+  const int64_t stride = w.kp * 2;  // bytes per A row
+  const bool two = mp > 16;
+  alignas(64) uint16_t buf[2][2 * 512];
+  _tile_zero(0);
+  _tile_zero(1);
+  if (two) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t ks = 0; ks < kb; ++ks) {
+    uint16_t* b = buf[ks & 1];
+    dequant_tile(w, nb0, ks, b, nullptr);
+    dequant_tile(w, nb0 + 1, ks, b + 512, nullptr);
+    _tile_loadd(4, a_hi + ks * 32, stride);
+    _tile_loadd(6, b, 64);
+    _tile_loadd(7, b + 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (two) {
+      _tile_loadd(5, a_hi + 16 * w.kp + ks * 32, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float c[4][256];
+  _tile_stored(0, c[0], 64);
+  _tile_stored(1, c[1], 64);
+  if (two) {
+    _tile_stored(2, c[2], 64);
+    _tile_stored(3, c[3], 64);
+  }
+  const int esize = dtype == at::kBFloat16 ? 2 : 4;
+  for (int q = 0; q < (two ? 4 : 2); ++q) {
+    const int64_t col0 = (nb0 + q % 2) * 16, m0 = (q / 2) * 16;
+    if (col0 >= w.n) continue;
+    const int cols = static_cast<int>(std::min<int64_t>(16, w.n - col0));
+    const float* scale = w.fmt == kInt8 ? static_cast<const float*>(w.scale) + col0 : nullptr;
+    for (int r = 0; r < 16 && m0 + r < m; ++r)
+      store_row(c[q] + r * 16, scale, dtype, static_cast<char*>(out) + ((m0 + r) * w.n + col0) * esize, cols);
+  }
+}
+
 // The fp32 accumulators of R rows (from r0) x B column blocks (from nb0) into out, the INT8
 // format's per-column scale applied (the AVX-512 paths below share it).
 template <int R, int B>
@@ -677,7 +728,10 @@ at::Tensor run(const at::Tensor& x, const Weight& w, int64_t nbk) {
       return;
     }
     configure_tiles();
-    for (int64_t p = p0; p < p1; ++p) column_pair(w, p, a_hi, a_lo, w_lo, m, mp, bbuf.data(), outp, dtype);
+    if (mp <= 32 && !a_lo && fmt != kBf16)
+      for (int64_t p = p0; p < p1; ++p) column_pair_small(w, p, a_hi, m, mp, outp, dtype);
+    else
+      for (int64_t p = p0; p < p1; ++p) column_pair(w, p, a_hi, a_lo, w_lo, m, mp, bbuf.data(), outp, dtype);
     release_tiles();
   });
   return out;
