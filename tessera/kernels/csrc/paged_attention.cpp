@@ -63,7 +63,7 @@ typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
 // One 64-byte load or store. With AVX-512, an intrinsic: GCC expands a 64-byte memcpy as two
 // 32-byte moves through the stack on CPUs it tunes for 256-bit vectors (Intel server parts), and
 // the 64-byte reload of two 32-byte stores misses store forwarding (a third of a prefill's
-// attention time on Sapphire Rapids).
+// attention time on an Intel Xeon with AMX, model 167).
 inline v16f load16(const float* p) {
 #if defined(__AVX512F__)
   return (v16f)_mm512_loadu_ps(p);
@@ -642,8 +642,8 @@ void amx_attend_item(const Problem& pb, const int32_t* table, int tq, const int6
     // The chunk's key rows, then its value rows, towards L2 before the tile loads ask for them: a
     // model's cache does not stay in the caches, and a walk through random blocks outruns the
     // hardware prefetcher at every block edge. (The values: decode b32 0.56 -> 0.54 ms a layer on
-    // a Sapphire Rapids-class Xeon; the V loads were half the samples. Prefetching the next work
-    // item's rows as well measured no better.)
+    // an Intel Xeon with AMX; the V loads were half the samples. Prefetching the next work item's
+    // rows as well measured no better.)
     const int64_t pf0 = ws.kvh0 * D * 2, pf1 = ws.kvh1 * D * 2;  // the item's heads' bytes of a row
     for (int i = 0; i < nks * 32; ++i)
       if (slot[i] >= 0)
@@ -860,6 +860,8 @@ AttendFn pick_head_dim(int64_t d) {
 
 // dst[i] = T(a[i] * inv), i < d (d a multiple of 16); bf16 rounds to nearest even in 16 lanes
 // where the CPU converts in hardware (the scalar conversion was a sixth of a prefill's time).
+// The instruction flushes a denormal result to zero, as the linears' outputs already do; an
+// attention output is a weighted mean of values and never that small in practice.
 template <typename T>
 inline void store_row(const float* a, float inv, int64_t d, T* dst) {
 #if defined(__AVX512BF16__)
