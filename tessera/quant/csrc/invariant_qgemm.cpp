@@ -295,6 +295,20 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) PairTiles dequant_pair(co
   return t;
 }
 
+// One stored C tile (16 rows from m0 x column block nb, fp32) into out, the INT8 format's
+// per-column scale applied; rows past m and columns past n are left alone.
+__attribute__((target("avx512f,avx512bf16"))) inline void store_c_tile(const float* c, const Weight& w, int64_t nb,
+                                                                         int64_t m0, int64_t m, void* out,
+                                                                         at::ScalarType dtype) {
+  const int64_t col0 = nb * 16;
+  if (col0 >= w.n) return;
+  const int cols = static_cast<int>(std::min<int64_t>(16, w.n - col0));
+  const float* scale = w.fmt == kInt8 ? static_cast<const float*>(w.scale) + col0 : nullptr;
+  const int esize = dtype == at::kBFloat16 ? 2 : 4;
+  for (int r = 0; r < 16 && m0 + r < m; ++r)
+    store_row(c + r * 16, scale, dtype, static_cast<char*>(out) + ((m0 + r) * w.n + col0) * esize, cols);
+}
+
 // One pair of column blocks (32 output columns) for every activation row. Per K step, in this
 // order: C += A_hi B_hi; with a weight remainder C += A_hi B_lo; with an activation remainder
 // C += A_lo B_hi (A_lo B_lo is below fp32 rounding and skipped).
@@ -306,7 +320,6 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void co
   const PairTiles tiles = dequant_pair(w, pair, w_lo, bbuf);
   auto b_tile = [&](int64_t blk, int64_t ks, bool lo) { return tiles.get(blk, ks, lo); };
   alignas(64) float c[2][256];
-  const int esize = dtype == at::kBFloat16 ? 2 : 4;
   for (int64_t m0 = 0; m0 < mp; m0 += 16) {
     _tile_zero(0);
     _tile_zero(1);
@@ -330,14 +343,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void co
     }
     _tile_stored(0, c[0], 64);
     _tile_stored(1, c[1], 64);
-    for (int q = 0; q < 2; ++q) {
-      const int64_t col0 = (nb0 + q) * 16;
-      if (col0 >= w.n) continue;
-      const int cols = static_cast<int>(std::min<int64_t>(16, w.n - col0));
-      const float* scale = w.fmt == kInt8 ? static_cast<const float*>(w.scale) + col0 : nullptr;
-      for (int r = 0; r < 16 && m0 + r < m; ++r)
-        store_row(c[q] + r * 16, scale, dtype, static_cast<char*>(out) + ((m0 + r) * w.n + col0) * esize, cols);
-    }
+    for (int q = 0; q < 2; ++q) store_c_tile(c[q], w, nb0 + q, m0, m, out, dtype);
   }
 }
 
@@ -381,15 +387,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void co
     _tile_stored(2, c[2], 64);
     _tile_stored(3, c[3], 64);
   }
-  const int esize = dtype == at::kBFloat16 ? 2 : 4;
-  for (int q = 0; q < (two ? 4 : 2); ++q) {
-    const int64_t col0 = (nb0 + q % 2) * 16, m0 = (q / 2) * 16;
-    if (col0 >= w.n) continue;
-    const int cols = static_cast<int>(std::min<int64_t>(16, w.n - col0));
-    const float* scale = w.fmt == kInt8 ? static_cast<const float*>(w.scale) + col0 : nullptr;
-    for (int r = 0; r < 16 && m0 + r < m; ++r)
-      store_row(c[q] + r * 16, scale, dtype, static_cast<char*>(out) + ((m0 + r) * w.n + col0) * esize, cols);
-  }
+  for (int q = 0; q < (two ? 4 : 2); ++q) store_c_tile(c[q], w, nb0 + q % 2, (q / 2) * 16, m, out, dtype);
 }
 
 // The fp32 accumulators of R rows (from r0) x B column blocks (from nb0) into out, the INT8
