@@ -92,6 +92,9 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(name, dtype, arithmetic):
     # Every row of a decode-sized call (on AMX, <= 32 rows take their own loop: rows 16-31 in a
     # second row tile) equals the same row in a prefill-sized call.
     assert torch.equal(layer(x[:32]), layer(x[:300])[:32])
+    # Every row of the smallest calls too (without AMX, up to 3 or 4 rows take a loop of their own).
+    for m in range(1, 6):
+        assert torch.equal(layer(x[:m]), layer(x[:300])[:m]), f"a row of M = {m} differs"
     # And a row's result does not depend on where it sits or what its neighbours hold.
     shuffled = x[torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(1))]
     at = int((shuffled == x[0]).all(dim=1).nonzero()[0])

@@ -526,17 +526,24 @@ __attribute__((target("avx512f,avx512bw"))) inline __m512i int4_lut() {
   return _mm512_load_si512(t);
 }
 
+// One k-pair row of an INT4 tile (16 bytes: element i the low nibble of byte i, i + 16 the high
+// one) as its 32 bf16 (q - 8), in a register: the 16 bytes widened twice, the second copy shifted
+// down a nibble, then one table lookup. vpermw reads only an index's low 5 bits and the table
+// repeats q - 8 over 16..31, so the first copy's high nibble needs no mask.
+__attribute__((target("avx512f,avx512bw"))) inline __m512i int4_row_bf16(const uint8_t* src, __m512i lut) {
+  const __m512i shifts = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0x0004000400040004,
+                                          0x0004000400040004, 0, 0, 0, 0);
+  const __m512i b = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(src))));
+  return _mm512_permutexvar_epi16(_mm512_srlv_epi16(b, shifts), lut);
+}
+
 // Tile (nb, ks) of an INT4 weight as bf16 (q - 8) in VNNI order (the B tile layout).
 __attribute__((target("avx512f,avx512bw"))) void int4_codes_tile(const Weight& w, int64_t nb, int64_t ks,
                                                                    uint16_t* dst) {
   static const __m512i lut = int4_lut();
   const uint8_t* src = static_cast<const uint8_t*>(w.codes) + (nb * (w.kp / 32) + ks) * 256;
-  const __m128i low = _mm_set1_epi8(0x0F);
-  for (int r = 0; r < 16; ++r) {  // byte i of a k-pair row: element i low nibble, i + 16 high
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + r * 16));
-    const __m256i both = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
-    _mm512_storeu_si512(dst + r * 32, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(both), lut));
-  }
+  for (int r = 0; r < 16; ++r) _mm512_storeu_si512(dst + r * 32, int4_row_bf16(src + r * 16, lut));
 }
 
 // Each row's sum of x over each group (hi + lo for float32 x), 16 lanes over the group's K in
@@ -599,6 +606,59 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void int4_rows(
   store_acc<R, B>(w, acc, nb0, r0, out, dtype);  // INT4: no per-column scale (w.fmt is not INT8)
 }
 
+// Decode sizes with bf16 activations: int4_rows' products in its order (per group, a chain over
+// the K steps and their k pairs in order, then the same two fmas), each weight row turned into
+// bf16 in a register as it is used. The L1 round trip of int4_codes_tile (a store and a reload of
+// every weight vector) had cost more than the products at one row: the default model's matmuls
+// at one row 8.2-10.8 -> 6.3-7.2 ms a token (AMD EPYC Zen 4, `benchmarks/gemv.py --act-dtype
+// bfloat16`, two alternating pairs).
+template <int R, int B>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void int4_rows_direct(
+    const Weight& w, int64_t nb0, const uint16_t* a, const float* sums, void* out, at::ScalarType dtype) {
+  static const __m512i lut = int4_lut();
+  const int64_t kb = w.kp / 32, per = kb / w.groups;
+  const uint8_t* src[B];
+  for (int b = 0; b < B; ++b) src[b] = static_cast<const uint8_t*>(w.codes) + (nb0 + b) * kb * 256;
+  __m512 acc[R][B];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m512 part[R][B];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < B; ++b) part[r][b] = _mm512_setzero_ps();
+    for (int64_t p = g * per * 16; p < (g + 1) * per * 16; ++p) {  // k pairs of the group, in order
+      __m512bh wv[B];
+      for (int b = 0; b < B; ++b) wv[b] = reinterpret_cast<__m512bh>(int4_row_bf16(src[b] + p * 16, lut));
+      for (int r = 0; r < R; ++r) {
+        int32_t pairbits;
+        std::memcpy(&pairbits, a + r * w.kp + 2 * p, 4);
+        const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pairbits));
+        for (int b = 0; b < B; ++b) part[r][b] = _mm512_dpbf16_ps(part[r][b], xv, wv[b]);
+      }
+    }
+    for (int b = 0; b < B; ++b) {
+      const int64_t sidx = ((nb0 + b) * w.groups + g) * 16;
+      const __m512 sv = bf16x16(static_cast<const uint16_t*>(w.scale) + sidx);
+      const __m512 zv = bf16x16(static_cast<const uint16_t*>(w.zero) + sidx);
+      for (int r = 0; r < R; ++r) {
+        acc[r][b] = _mm512_fmadd_ps(part[r][b], sv, acc[r][b]);
+        acc[r][b] = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * w.groups + g]), zv, acc[r][b]);
+      }
+    }
+  }
+  store_acc<R, B>(w, acc, nb0, 0, out, dtype);
+}
+
+template <int B>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void int4_direct_tile(
+    int64_t rows, const Weight& w, int64_t nb0, const uint16_t* a, const float* sums, void* out, at::ScalarType dtype) {
+  switch (rows) {
+    case 3: int4_rows_direct<3, B>(w, nb0, a, sums, out, dtype); break;
+    case 2: int4_rows_direct<2, B>(w, nb0, a, sums, out, dtype); break;
+    default: int4_rows_direct<1, B>(w, nb0, a, sums, out, dtype); break;
+  }
+}
+
 template <int B, typename Tiles>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void int4_row_tile(
     int64_t rows, const Weight& w, int64_t nb0, int64_t r0, const uint16_t* a_hi, const uint16_t* a_lo,
@@ -613,9 +673,10 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void int4_row_tile(
   }
 }
 
-// Every output of an INT4 weight without AMX. Up to 3 rows: two column pairs per task, each K
-// step's four tiles made in an L1 buffer as they are used; more rows: one pair per task, its
-// whole K made once into bbuf and read by every 6-row tile.
+// Every output of an INT4 weight without AMX. Up to 3 rows: two column pairs per task, with bf16
+// activations each weight row made in a register as it is used (int4_rows_direct), with float32
+// ones each K step's four tiles made in an L1 buffer (read twice, for hi and lo); more rows: one
+// pair per task, its whole K made once into bbuf and read by every 6-row tile.
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void int4_avx512(
     const Weight& w, int64_t nbk, const uint16_t* a_hi, const uint16_t* a_lo, int64_t m, void* out,
     at::ScalarType dtype) {
@@ -623,6 +684,17 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void int4_avx512(
   std::vector<float> sums(static_cast<size_t>(m * w.groups));
   int4_group_sums(a_hi, a_lo, m, w.kp, w.groups, sums.data());
   const float* sp = sums.data();
+  if (m <= 3 && !a_lo) {
+    at::parallel_for(0, (nbk / 2 + 1) / 2, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        if (4 * g + 4 <= nbk)
+          int4_direct_tile<4>(m, w, 4 * g, a_hi, sp, out, dtype);
+        else
+          int4_direct_tile<2>(m, w, 4 * g, a_hi, sp, out, dtype);
+      }
+    });
+    return;
+  }
   if (m <= 3) {
     at::parallel_for(0, (nbk / 2 + 1) / 2, 1, [&](int64_t g0, int64_t g1) {
       alignas(64) uint16_t buf[4 * 512];
