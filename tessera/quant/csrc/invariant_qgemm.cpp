@@ -504,6 +504,63 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void small_rows(
   }
 }
 
+// INT8 and Q8_0 at decode sizes with bf16 activations: small_rows' products in its order, each
+// k-pair row of a tile made into bf16 in a register as dequant_tile makes it (codes to fp32, times
+// d for Q8_0, one rounding) and multiplied at once, without the store to and reload from L1.
+// Measured (AMD EPYC Zen 4, the default model's matmuls at one row, one process alternating with
+// the buffered path): Q8_0 9.2-13.3 -> 8.2-10.3 ms a token, int8 13.5 -> 10.6; in gguf mode the
+// tied lm_head is Q8_0, a third of a token's bytes.
+template <int R, int B>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void q8_rows_direct(
+    const Weight& w, int64_t nb0, const uint16_t* a, void* out, at::ScalarType dtype) {
+  const int64_t kb = w.kp / 32;
+  __m512 acc[R][B];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
+  for (int64_t ks = 0; ks < kb; ++ks) {
+    const int8_t* src[B];
+    __m512 dlo[B], dhi[B];
+    for (int b = 0; b < B; ++b) {
+      const int64_t tile = (nb0 + b) * kb + ks;
+      src[b] = static_cast<const int8_t*>(w.codes) + tile * 512;
+      dlo[b] = dhi[b] = _mm512_set1_ps(1.f);
+      if (w.fmt == kQ8_0)
+        expand_cols(f16x16(static_cast<const uint16_t*>(w.scale) + tile * 16), dlo[b], dhi[b]);
+    }
+    for (int p = 0; p < 16; ++p) {
+      __m512bh wv[B];
+      for (int b = 0; b < B; ++b) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[b] + p * 32));
+        __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+        __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+        if (w.fmt == kQ8_0) {
+          f0 = _mm512_mul_ps(f0, dlo[b]);
+          f1 = _mm512_mul_ps(f1, dhi[b]);
+        }
+        wv[b] = _mm512_cvtne2ps_pbh(f1, f0);
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t pairbits;
+        std::memcpy(&pairbits, a + r * w.kp + ks * 32 + 2 * p, 4);
+        const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pairbits));
+        for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
+      }
+    }
+  }
+  store_acc<R, B>(w, acc, nb0, 0, out, dtype);
+}
+
+template <int B>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void q8_direct_tile(
+    int64_t rows, const Weight& w, int64_t nb0, const uint16_t* a, void* out, at::ScalarType dtype) {
+  switch (rows) {
+    case 4: q8_rows_direct<4, B>(w, nb0, a, out, dtype); break;
+    case 3: q8_rows_direct<3, B>(w, nb0, a, out, dtype); break;
+    case 2: q8_rows_direct<2, B>(w, nb0, a, out, dtype); break;
+    default: q8_rows_direct<1, B>(w, nb0, a, out, dtype); break;
+  }
+}
+
 constexpr int64_t kSmallRows = 4;
 
 // ---- INT4 without AMX: scale and zero per group applied to the partial sum ----------------------
@@ -775,6 +832,17 @@ at::Tensor run(const at::Tensor& x, const Weight& w, int64_t nbk) {
   const bool amx = use_amx();
   if (!amx && fmt == kInt4) {
     int4_avx512(w, nbk, a_hi, a_lo, m, outp, dtype);
+    return out;
+  }
+  if (!amx && m <= kSmallRows && !a_lo && (fmt == kInt8 || fmt == kQ8_0)) {
+    at::parallel_for(0, (nbk / 2 + 1) / 2, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        if (4 * g + 4 <= nbk)
+          q8_direct_tile<4>(m, w, 4 * g, a_hi, outp, dtype);
+        else
+          q8_direct_tile<2>(m, w, 4 * g, a_hi, outp, dtype);
+      }
+    });
     return out;
   }
   if (!amx && m <= kSmallRows) {
