@@ -409,6 +409,19 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void store_acc(
   }
 }
 
+// acc[r][b] += x[r] . wv[b] for one k pair: row r's pair at a + r * kp (two bf16, broadcast as one
+// 32-bit lane), one VDPBF16PS per output.
+template <int R, int B>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void dp_pair(
+    __m512 (&acc)[R][B], const uint16_t* a, int64_t kp, const __m512bh* wv) {
+  for (int r = 0; r < R; ++r) {
+    int32_t pairbits;  // memcpy: a broadcast load, no aliasing
+    std::memcpy(&pairbits, a + r * kp, 4);
+    const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pairbits));
+    for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
+  }
+}
+
 // acc[r][b] += one K step of rows r0.. of a (from element k0, row stride kp) times the B tiles t[b]:
 // per k pair in order, one VDPBF16PS per output. Every AVX-512 path below multiplies through it.
 template <int R, int B>
@@ -417,12 +430,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void dp_step(
   for (int p = 0; p < 16; ++p) {
     __m512bh wv[B];
     for (int b = 0; b < B; ++b) wv[b] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(t[b] + p * 32));
-    for (int r = 0; r < R; ++r) {
-      int32_t pairbits;
-      std::memcpy(&pairbits, a + (r0 + r) * kp + k0 + 2 * p, 4);
-      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pairbits));
-      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
-    }
+    dp_pair<R, B>(acc, a + r0 * kp + k0 + 2 * p, kp, wv);
   }
 }
 
@@ -539,12 +547,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void q8_rows_direct(
         }
         wv[b] = _mm512_cvtne2ps_pbh(f1, f0);
       }
-      for (int r = 0; r < R; ++r) {
-        int32_t pairbits;
-        std::memcpy(&pairbits, a + r * w.kp + ks * 32 + 2 * p, 4);
-        const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pairbits));
-        for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
-      }
+      dp_pair<R, B>(acc, a + ks * 32 + 2 * p, w.kp, wv);
     }
   }
   store_acc<R, B>(w, acc, nb0, 0, out, dtype);
@@ -630,6 +633,22 @@ __attribute__((target("avx512f,avx512bw"))) void int4_group_sums(const uint16_t*
     }
 }
 
+// Group g's partial sums into the accumulators: acc = fma(part, s, acc), then acc = fma(sum_x, z,
+// acc), sum_x row r's sum over the group (sums[r * groups + g]).
+template <int R, int B>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void int4_apply_group(
+    const Weight& w, int64_t nb0, int64_t g, const float* sums, const __m512 (&part)[R][B], __m512 (&acc)[R][B]) {
+  for (int b = 0; b < B; ++b) {
+    const int64_t sidx = ((nb0 + b) * w.groups + g) * 16;
+    const __m512 sv = bf16x16(static_cast<const uint16_t*>(w.scale) + sidx);
+    const __m512 zv = bf16x16(static_cast<const uint16_t*>(w.zero) + sidx);
+    for (int r = 0; r < R; ++r) {
+      acc[r][b] = _mm512_fmadd_ps(part[r][b], sv, acc[r][b]);
+      acc[r][b] = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * w.groups + g]), zv, acc[r][b]);
+    }
+  }
+}
+
 // R rows (from r0) x B column blocks (from nb0) over all groups; tiles(ks, t) points t[0..B) at
 // the K step's (q - 8) tiles.
 template <int R, int B, typename Tiles>
@@ -650,15 +669,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void int4_rows(
       dp_step<R, B>(part, a_hi, w.kp, r0, ks * 32, t);
       if (a_lo) dp_step<R, B>(part, a_lo, w.kp, r0, ks * 32, t);
     }
-    for (int b = 0; b < B; ++b) {
-      const int64_t sidx = ((nb0 + b) * w.groups + g) * 16;
-      const __m512 sv = bf16x16(static_cast<const uint16_t*>(w.scale) + sidx);
-      const __m512 zv = bf16x16(static_cast<const uint16_t*>(w.zero) + sidx);
-      for (int r = 0; r < R; ++r) {
-        acc[r][b] = _mm512_fmadd_ps(part[r][b], sv, acc[r][b]);
-        acc[r][b] = _mm512_fmadd_ps(_mm512_set1_ps(sums[(r0 + r) * w.groups + g]), zv, acc[r][b]);
-      }
-    }
+    int4_apply_group<R, B>(w, nb0, g, sums + r0 * w.groups, part, acc);
   }
   store_acc<R, B>(w, acc, nb0, r0, out, dtype);  // INT4: no per-column scale (w.fmt is not INT8)
 }
@@ -686,22 +697,9 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void int4_rows_direct(
     for (int64_t p = g * per * 16; p < (g + 1) * per * 16; ++p) {  // k pairs of the group, in order
       __m512bh wv[B];
       for (int b = 0; b < B; ++b) wv[b] = reinterpret_cast<__m512bh>(int4_row_bf16(src[b] + p * 16, lut));
-      for (int r = 0; r < R; ++r) {
-        int32_t pairbits;
-        std::memcpy(&pairbits, a + r * w.kp + 2 * p, 4);
-        const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pairbits));
-        for (int b = 0; b < B; ++b) part[r][b] = _mm512_dpbf16_ps(part[r][b], xv, wv[b]);
-      }
+      dp_pair<R, B>(part, a + 2 * p, w.kp, wv);
     }
-    for (int b = 0; b < B; ++b) {
-      const int64_t sidx = ((nb0 + b) * w.groups + g) * 16;
-      const __m512 sv = bf16x16(static_cast<const uint16_t*>(w.scale) + sidx);
-      const __m512 zv = bf16x16(static_cast<const uint16_t*>(w.zero) + sidx);
-      for (int r = 0; r < R; ++r) {
-        acc[r][b] = _mm512_fmadd_ps(part[r][b], sv, acc[r][b]);
-        acc[r][b] = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * w.groups + g]), zv, acc[r][b]);
-      }
-    }
+    int4_apply_group<R, B>(w, nb0, g, sums, part, acc);
   }
   store_acc<R, B>(w, acc, nb0, 0, out, dtype);
 }
