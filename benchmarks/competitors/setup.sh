@@ -65,7 +65,7 @@ setup_llamacpp() {
   pkg=$("$venv/bin/python" -c "import importlib.util as u; print(u.find_spec('llama_cpp').submodule_search_locations[0])")
   mkdir -p "$pkg/lib" && cp -P "$build"/bin/lib*.so* "$pkg/lib/"
   "$venv/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
-  "$build/bin/llama-bench" --help | head -1
+  "$build/bin/llama-bench" --help | sed -n 1p  # sed reads it all: head's early exit is a SIGPIPE under pipefail
 }
 
 setup_models() {
