@@ -541,6 +541,56 @@ void amx_v_pairs(const at::BFloat16* vc, const int64_t* off, int nks, at::BFloat
     }
 }
 
+// One row tile's P.V with each 32-key step's V pairs made just before their products (decode: one
+// row tile, so no other tile would reuse a whole chunk's pairs): per group of up to 4 column
+// chunks, step ks's pairs go into a 4 KiB buffer that stays in L1 (amx_v_pairs' whole chunk, 32 KiB
+// beside the score tiles, did not) and are multiplied at once. Per C tile the same P and V tiles,
+// summed over the steps in the same order as amx_pv: the same bits.
+template <int NC>
+void amx_pv_stream_group(const at::BFloat16* vc, const int64_t* off, int nks, const at::BFloat16* pa, int w0,
+                         float* out) {
+  alignas(64) at::BFloat16 buf[2][NC * 512];
+  if constexpr (NC > 0) _tile_zero(0);
+  if constexpr (NC > 1) _tile_zero(1);
+  if constexpr (NC > 2) _tile_zero(2);
+  if constexpr (NC > 3) _tile_zero(3);
+  auto pairs = [&](int ks, at::BFloat16* b) {
+    for (int j = 0; j < 16; ++j) {
+      const int64_t o0 = off[ks * 32 + 2 * j], o1 = off[ks * 32 + 2 * j + 1];
+      for (int w = 0; w < NC / 2; ++w) {
+        const __m512i a = o0 < 0 ? _mm512_setzero_si512() : _mm512_loadu_si512(vc + o0 + 32 * (w0 + w));
+        const __m512i c = o1 < 0 ? _mm512_setzero_si512() : _mm512_loadu_si512(vc + o1 + 32 * (w0 + w));
+        _mm512_storeu_si512(b + (2 * w) * 512 + j * 32, _mm512_unpacklo_epi16(a, c));
+        _mm512_storeu_si512(b + (2 * w + 1) * 512 + j * 32, _mm512_unpackhi_epi16(a, c));
+      }
+    }
+  };
+  for (int ks = 0; ks < nks; ++ks) {
+    at::BFloat16* b = buf[ks & 1];
+    pairs(ks, b);
+    _tile_loadd(6, pa + ks * 512, 64);
+    if constexpr (NC > 0) { _tile_loadd(4, b, 64); _tile_dpbf16ps(0, 6, 4); }
+    if constexpr (NC > 1) { _tile_loadd(5, b + 512, 64); _tile_dpbf16ps(1, 6, 5); }
+    if constexpr (NC > 2) { _tile_loadd(7, b + 1024, 64); _tile_dpbf16ps(2, 6, 7); }
+    if constexpr (NC > 3) { _tile_loadd(4, b + 1536, 64); _tile_dpbf16ps(3, 6, 4); }
+  }
+  if constexpr (NC > 0) _tile_stored(0, out, 64);
+  if constexpr (NC > 1) _tile_stored(1, out + 256, 64);
+  if constexpr (NC > 2) _tile_stored(2, out + 512, 64);
+  if constexpr (NC > 3) _tile_stored(3, out + 768, 64);
+}
+
+template <int D>
+void amx_pv_stream(const at::BFloat16* vc, const int64_t* off, int nks, const at::BFloat16* pa, float* out) {
+  constexpr int nc = D / 16;  // even: D is a multiple of 32 here
+  for (int c = 0; c < nc; c += 4) {
+    if (nc - c >= 4)
+      amx_pv_stream_group<4>(vc, off, nks, pa, c / 2, out + c * 256);
+    else
+      amx_pv_stream_group<2>(vc, off, nks, pa, c / 2, out + c * 256);
+  }
+}
+
 // 16 fp32 probabilities to bf16 (round to nearest even), one P row.
 void amx_store_p(const float* p, at::BFloat16* dst) {
   const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(p));
@@ -553,6 +603,8 @@ bool cpu_has_amx() { return false; }
 void amx_pv(const at::BFloat16*, const at::BFloat16*, int, int, float*) {}
 template <int D>
 void amx_v_pairs(const at::BFloat16*, const int64_t*, int, at::BFloat16*) {}
+template <int D>
+void amx_pv_stream(const at::BFloat16*, const int64_t*, int, const at::BFloat16*, float*) {}
 void amx_store_p(const float*, at::BFloat16*) {}
 void amx_begin() {}
 void amx_end() {}
@@ -757,9 +809,15 @@ void amx_attend_item(const Problem& pb, const int32_t* table, int tq, const int6
         ws.mx[r] = bm;
         ws.corr[n] = corr;
       }
-      amx_v_pairs<D>(vc, off, nks, ws.vb.data());
+      // One row tile (a decode): each step's V pairs made as P.V reaches them; more (a prefill
+      // item): the chunk's pairs once, reused by every row tile.
+      const bool stream = nbt == 1;
+      if (!stream) amx_v_pairs<D>(vc, off, nks, ws.vb.data());
       for (int nb = 0; nb < nbt; ++nb) {
-        amx_pv(ws.pa.data() + nb * nks * 512, ws.vb.data(), nc, nks, ws.pv.data());
+        if (stream)
+          amx_pv_stream<D>(vc, off, nks, ws.pa.data(), ws.pv.data());
+        else
+          amx_pv(ws.pa.data() + nb * nks * 512, ws.vb.data(), nc, nks, ws.pv.data());
         for (int m = 0; m < 16; ++m) {
           const int n = nb * 16 + m, t = n / g;
           if (t >= tq) break;
