@@ -778,14 +778,18 @@ void amx_attend_item(const Problem& pb, const int32_t* table, int tq, const int6
         v16f sc[kChunkTiles];
         float m = ninf;
         if (t < tq) {
+          // The row's max lane by lane over the tiles, then across lanes once (max is exact, so
+          // the order does not matter).
+          v16f vm = splat(ninf);
           for (int i = tf; i <= tl; ++i) {
             const float first = static_cast<float>(lo[t] - (c0 + i * kLanes));
             const float end = static_cast<float>(hi[t] - (c0 + i * kLanes));
             const float* tile = cs + ((n / 16) * kChunkTiles + i) * 256;
             const v16f s = (transposed ? load16(tile + (n % 16) * 16) : amx_column(tile, n % 16)) * pb.scale;
             sc[i] = (lane >= first) & (lane < end) ? s : splat(ninf);
-            m = std::max(m, lane_max(sc[i]));
+            vm = vm > sc[i] ? vm : sc[i];
           }
+          m = lane_max(vm);
         }
         if (m == ninf) {  // no key of this row in the chunk (or a padding column): no change
           for (int ks = 0; ks < nks; ++ks) std::memset(static_cast<void*>(prow + ks * 512), 0, 64);
