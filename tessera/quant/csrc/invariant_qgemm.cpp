@@ -354,6 +354,10 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void co
 // linear tile index runs on into the next block, so a pair's last steps fetch the start of the next
 // pair's first block. A prefetch past the weight's end is harmless (prefetches do not fault).
 constexpr int64_t kAhead = 2;
+// And towards L2 kAheadL2 tiles ahead: the L1 prefetch alone leaves too few misses in flight
+// (one process alternating, a token's 121 layers at one row: int4 10.0 -> 9.3 ms, Q8_0 11.0 ->
+// 9.9; 32 rows 4%; 16 to 48 tiles ahead all alike).
+constexpr int64_t kAheadL2 = kAhead + 24;
 
 __attribute__((target("avx512f"))) inline void prefetch_pair_ahead(const Weight& w, int64_t nb0, int64_t ks) {
   const int64_t kb = w.kp / 32, t0 = nb0 * kb + ks + kAhead, t1 = t0 + kb;
@@ -362,9 +366,12 @@ __attribute__((target("avx512f"))) inline void prefetch_pair_ahead(const Weight&
   const char* codes = static_cast<const char*>(w.codes);
   // GCC may delete a loop whose only statements are prefetches (no side effects): keep it.
   asm volatile("");
+  const int64_t u0 = t0 + kAheadL2 - kAhead, u1 = t1 + kAheadL2 - kAhead;
   for (int64_t l = 0; l < tbytes; l += 64) {
     _mm_prefetch(codes + t0 * tbytes + l, _MM_HINT_T0);
     _mm_prefetch(codes + t1 * tbytes + l, _MM_HINT_T0);
+    _mm_prefetch(codes + u0 * tbytes + l, _MM_HINT_T1);
+    _mm_prefetch(codes + u1 * tbytes + l, _MM_HINT_T1);
   }
   if (w.fmt == kQ8_0) {  // d: 16 f16 per tile
     _mm_prefetch(static_cast<const char*>(w.scale) + t0 * 32, _MM_HINT_T0);
