@@ -352,7 +352,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void co
 // at decode sizes the dequantization waited on each new line of codes (perf on an Intel Xeon with
 // AMX, model 167: the first instruction using each 64 bytes of codes carried the samples). The
 // linear tile index runs on into the next block, so a pair's last steps fetch the start of the next
-// pair's first block. A prefetch past the weight's end is harmless (prefetches do not fault).
+// pair's first block; past the weight's last tile it fetches that tile again.
 constexpr int64_t kAhead = 2;
 // And towards L2 kAheadL2 tiles ahead: the L1 prefetch alone leaves too few misses in flight
 // (one process alternating, a token's 121 layers at one row: int4 10.0 -> 9.3 ms, Q8_0 11.0 ->
@@ -360,13 +360,14 @@ constexpr int64_t kAhead = 2;
 constexpr int64_t kAheadL2 = kAhead + 24;
 
 __attribute__((target("avx512f"))) inline void prefetch_pair_ahead(const Weight& w, int64_t nb0, int64_t ks) {
-  const int64_t kb = w.kp / 32, t0 = nb0 * kb + ks + kAhead, t1 = t0 + kb;
+  const int64_t kb = w.kp / 32, last = (w.np / 16) * kb - 1;
+  const int64_t t0 = std::min(nb0 * kb + ks + kAhead, last), t1 = std::min(t0 + kb, last);
+  const int64_t u0 = std::min(t0 + kAheadL2 - kAhead, last), u1 = std::min(t1 + kAheadL2 - kAhead, last);
   const bool q8 = w.fmt == kInt8 || w.fmt == kQ8_0;
   const int64_t tbytes = q8 ? 512 : 256;
   const char* codes = static_cast<const char*>(w.codes);
   // GCC may delete a loop whose only statements are prefetches (no side effects): keep it.
   asm volatile("");
-  const int64_t u0 = t0 + kAheadL2 - kAhead, u1 = t1 + kAheadL2 - kAhead;
   for (int64_t l = 0; l < tbytes; l += 64) {
     _mm_prefetch(codes + t0 * tbytes + l, _MM_HINT_T0);
     _mm_prefetch(codes + t1 * tbytes + l, _MM_HINT_T0);
