@@ -528,19 +528,25 @@ void amx_pv(const at::BFloat16* pa, const at::BFloat16* vb, int nc, int nks, flo
 // element offsets, -1 = a key no row reads: zeros, since 0 x NaN from a released block is NaN).
 // Chunk 2w gets d {0-3, 8-11, 16-19, 24-27} + 32w of both keys interleaved, chunk 2w + 1 the
 // other 16 d of that 32 (vpunpck{l,h}wd work within 128-bit lanes); amx_unpermute undoes it.
+// d 32w .. 32w + 31 of the two keys at element offsets o0, o1 interleaved: the first 16 pairs (as
+// above) to lo, the other 16 to hi.
+inline void amx_pair_slab(const at::BFloat16* vc, int64_t o0, int64_t o1, int w, at::BFloat16* lo,
+                          at::BFloat16* hi) {
+  const __m512i a = o0 < 0 ? _mm512_setzero_si512() : _mm512_loadu_si512(vc + o0 + 32 * w);
+  const __m512i b = o1 < 0 ? _mm512_setzero_si512() : _mm512_loadu_si512(vc + o1 + 32 * w);
+  _mm512_storeu_si512(lo, _mm512_unpacklo_epi16(a, b));
+  _mm512_storeu_si512(hi, _mm512_unpackhi_epi16(a, b));
+}
+
 template <int D>
 void amx_v_pairs(const at::BFloat16* vc, const int64_t* off, int nks, at::BFloat16* vb) {
   const int64_t chunk = static_cast<int64_t>(nks) * 512;
   for (int ks = 0; ks < nks; ++ks)
     for (int j = 0; j < 16; ++j) {
-      const int64_t o0 = off[ks * 32 + 2 * j], o1 = off[ks * 32 + 2 * j + 1];
       at::BFloat16* row = vb + ks * 512 + j * 32;
-      for (int w = 0; w < D / 32; ++w) {
-        const __m512i a = o0 < 0 ? _mm512_setzero_si512() : _mm512_loadu_si512(vc + o0 + 32 * w);
-        const __m512i b = o1 < 0 ? _mm512_setzero_si512() : _mm512_loadu_si512(vc + o1 + 32 * w);
-        _mm512_storeu_si512(row + (2 * w) * chunk, _mm512_unpacklo_epi16(a, b));
-        _mm512_storeu_si512(row + (2 * w + 1) * chunk, _mm512_unpackhi_epi16(a, b));
-      }
+      for (int w = 0; w < D / 32; ++w)
+        amx_pair_slab(vc, off[ks * 32 + 2 * j], off[ks * 32 + 2 * j + 1], w, row + (2 * w) * chunk,
+                      row + (2 * w + 1) * chunk);
     }
 }
 
@@ -557,20 +563,12 @@ void amx_pv_stream_group(const at::BFloat16* vc, const int64_t* off, int nks, co
   if constexpr (NC > 1) _tile_zero(1);
   if constexpr (NC > 2) _tile_zero(2);
   if constexpr (NC > 3) _tile_zero(3);
-  auto pairs = [&](int ks, at::BFloat16* b) {
-    for (int j = 0; j < 16; ++j) {
-      const int64_t o0 = off[ks * 32 + 2 * j], o1 = off[ks * 32 + 2 * j + 1];
-      for (int w = 0; w < NC / 2; ++w) {
-        const __m512i a = o0 < 0 ? _mm512_setzero_si512() : _mm512_loadu_si512(vc + o0 + 32 * (w0 + w));
-        const __m512i c = o1 < 0 ? _mm512_setzero_si512() : _mm512_loadu_si512(vc + o1 + 32 * (w0 + w));
-        _mm512_storeu_si512(b + (2 * w) * 512 + j * 32, _mm512_unpacklo_epi16(a, c));
-        _mm512_storeu_si512(b + (2 * w + 1) * 512 + j * 32, _mm512_unpackhi_epi16(a, c));
-      }
-    }
-  };
   for (int ks = 0; ks < nks; ++ks) {
     at::BFloat16* b = buf[ks & 1];
-    pairs(ks, b);
+    for (int j = 0; j < 16; ++j)
+      for (int w = 0; w < NC / 2; ++w)
+        amx_pair_slab(vc, off[ks * 32 + 2 * j], off[ks * 32 + 2 * j + 1], w0 + w, b + (2 * w) * 512 + j * 32,
+                      b + (2 * w + 1) * 512 + j * 32);
     _tile_loadd(6, pa + ks * 512, 64);
     if constexpr (NC > 0) { _tile_loadd(4, b, 64); _tile_dpbf16ps(0, 6, 4); }
     if constexpr (NC > 1) { _tile_loadd(5, b + 512, 64); _tile_dpbf16ps(1, 6, 5); }
