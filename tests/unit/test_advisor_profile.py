@@ -8,6 +8,7 @@ import random
 import pytest
 from safetensors import safe_open
 
+import tessera.advisor.profile as profile_module
 from tessera.advisor.profile import (
     heterogeneity_profile,
     load_model_info,
@@ -229,3 +230,16 @@ def test_scale_reports_the_arrival_rate(tiny_model_dir):
     assert s.arrival_rate == pytest.approx(2.0) and s.duration_s == pytest.approx(5.0)
     assert s.interarrival_cv == pytest.approx(0.0) and s.peak_rate_1s == 3
     assert s.prefill_share + s.decode_share == pytest.approx(1.0)
+
+
+def test_step_costs_measured_under_other_openmp_settings_are_not_reused(tiny_model_dir, monkeypatch):
+    # OMP_WAIT_POLICY=PASSIVE doubled a bf16 decode step of the default model: a probe cached
+    # under one policy must not stand for the other.
+    info = load_model_info(str(tiny_model_dir), "float32")
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    default = profile_module._cache_key(info, 2, "none")
+    assert profile_module._cache_key(info, 2, "none") == default
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    passive = profile_module._cache_key(info, 2, "none")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert len({default, passive, profile_module._cache_key(info, 2, "none")}) == 3
