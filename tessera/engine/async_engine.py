@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from tessera.engine.openmp_team import release_calling_thread_team
 from tessera.outputs import RequestOutput
 from tessera.sampling import SamplingParams
 
@@ -108,6 +109,9 @@ class AsyncLLMEngine:
         self._stopping = False
         self._error: BaseException | None = None
         self._stats = engine.stats()
+        # This thread (which loaded the engine) keeps an OpenMP team that would stay beside the
+        # engine thread's and make every worker sleep between regions (tessera.engine.openmp_team).
+        release_calling_thread_team()
         self._thread = threading.Thread(target=self._run, name="tessera-engine", daemon=True)
         self._thread.start()
 

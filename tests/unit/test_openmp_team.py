@@ -1,0 +1,64 @@
+"""The OpenMP team a thread leaves behind is released (tessera.engine.openmp_team): otherwise the
+loading thread's team stays beside the engine thread's and libgomp stops spinning its workers."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+import tessera.engine.async_engine as async_engine
+from tessera.engine.openmp_team import _loaded_runtime, release_calling_thread_team
+
+needs_two_threads = pytest.mark.skipif((os.cpu_count() or 1) < 2 or _loaded_runtime() is None,
+                                       reason="needs 2 CPUs and torch's OpenMP runtime")
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@needs_two_threads
+def test_release_frees_the_worker_threads_a_thread_started():
+    counts = {}
+
+    def work():
+        torch.set_num_threads(2)
+        counts["before"] = _threads()
+        torch.ones(1 << 22).add_(1)  # an at::parallel_for region: the team's worker starts
+        counts["with team"] = _threads()
+        counts["released"] = release_calling_thread_team()
+        counts["after"] = _threads()
+        torch.ones(1 << 22).add_(1)  # the next region starts a team again
+        counts["again"] = _threads()
+        release_calling_thread_team()
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert counts["released"] is True
+    assert counts["with team"] == counts["before"] + 1
+    assert counts["after"] == counts["before"]
+    assert counts["again"] == counts["before"] + 1
+
+
+def test_the_async_engine_releases_the_loading_threads_team_before_its_thread_starts(monkeypatch):
+    seen = []
+
+    class FakeEngine:
+        def stats(self):
+            return None
+
+        def has_unfinished_requests(self):
+            return False
+
+    monkeypatch.setattr(async_engine, "release_calling_thread_team",
+                        lambda: seen.append((threading.current_thread(), threading.active_count())))
+    before = threading.active_count()
+    engine = async_engine.AsyncLLMEngine(FakeEngine(), idle_poll_s=0.01)
+    try:
+        assert seen == [(threading.current_thread(), before)]  # on this thread, the engine's not started yet
+    finally:
+        engine.shutdown()
