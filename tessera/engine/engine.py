@@ -21,6 +21,7 @@ from tessera.engine.handoff import SequenceHandoff, kv_nbytes, read_kv, write_kv
 from tessera.engine.kv_cache import KVCacheManager
 from tessera.engine.kv_sizing import num_kv_blocks
 from tessera.engine.model_runner import ModelRunner, prepare_step_kernels
+from tessera.engine.openmp_team import release_calling_thread_team
 from tessera.engine.output_processor import SequenceTextState, decode_logprobs
 from tessera.engine.request import Sequence, SequenceStatus
 from tessera.engine.sampler import Sampler
@@ -160,6 +161,10 @@ class LLMEngine:
             path.name, mc.architecture, str(self.dtype).removeprefix("torch."), time.perf_counter() - t0,
             num_blocks - 1, config.block_size, (num_blocks - 1) * config.block_size, self.max_model_len,
         )
+        # Loading ran OpenMP regions on this thread; if another thread steps the engine (a web
+        # app's worker thread), this thread's team would make every worker sleep between regions
+        # (tessera.engine.openmp_team). Stepping here instead only starts a team again, once.
+        release_calling_thread_team()
 
     # ---- requests -------------------------------------------------------------------------
 

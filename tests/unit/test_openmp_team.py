@@ -62,3 +62,27 @@ def test_the_async_engine_releases_the_loading_threads_team_before_its_thread_st
         assert seen == [(threading.current_thread(), before)]  # on this thread, the engine's not started yet
     finally:
         engine.shutdown()
+
+
+@needs_two_threads
+def test_a_loaded_engine_leaves_no_team_on_the_loading_thread(tiny_model_dir):
+    # A web app loads the model on one thread and generates on its workers: the loading
+    # thread's team must not stay beside theirs.
+    from tessera.config import EngineConfig
+    from tessera.engine.engine import LLMEngine
+
+    counts = {}
+
+    def load():
+        torch.set_num_threads(2)
+        counts["before"] = _threads()
+        torch.ones(1 << 22).add_(1)
+        counts["with team"] = _threads()
+        counts["engine"] = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_threads=2))
+        counts["after"] = _threads()
+
+    t = threading.Thread(target=load)
+    t.start()
+    t.join()
+    assert counts["with team"] == counts["before"] + 1
+    assert counts["after"] == counts["before"]
