@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from tessera.config import DEFAULT_MODEL, EngineConfig
 from tessera.engine.engine import LLMEngine
+from tessera.engine.openmp_team import warn_if_passive
 from tessera.outputs import RequestOutput
 from tessera.sampling import SamplingParams
 
@@ -55,6 +56,7 @@ class LLM:
     def _start(self, config: EngineConfig) -> None:
         _show_progress_logs()
         logger.info("loading %s (fetched once if it is a packaged model name)", config.model)
+        warn_if_passive()  # a user's setting; the disaggregated Ray workers set it on purpose
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

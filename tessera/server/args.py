@@ -139,10 +139,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from tessera.engine.openmp_team import warn_if_passive
     from tessera.model.download import check_model_path
     from tessera.server.app import create_app
 
     # Everything a user can get wrong is checked before the model loads (which takes seconds).
+    warn_if_passive()
     model = serve_model(args)
     check_model_path(model)
     for what, path in (("--tokenizer", args.tokenizer), ("--draft-model", args.draft_model)):

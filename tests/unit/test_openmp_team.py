@@ -86,3 +86,17 @@ def test_a_loaded_engine_leaves_no_team_on_the_loading_thread(tiny_model_dir):
     t.join()
     assert counts["with team"] == counts["before"] + 1
     assert counts["after"] == counts["before"]
+
+
+def test_passive_wait_policy_is_named_once(monkeypatch, caplog):
+    import tessera.engine.openmp_team as team
+
+    monkeypatch.setattr(team, "_warned_passive", False)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    with caplog.at_level("WARNING", logger="tessera"):
+        assert team.warn_if_passive() is False
+        assert not caplog.records
+        monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+        assert team.warn_if_passive() is True
+        assert team.warn_if_passive() is True
+    assert len(caplog.records) == 1 and "OMP_WAIT_POLICY=PASSIVE" in caplog.records[0].getMessage()
