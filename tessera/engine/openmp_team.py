@@ -5,8 +5,8 @@ server loads and warms the model on the main thread, then steps it on the engine
 (tessera.engine.async_engine), so the process ends up with two teams: four libgomp threads on a
 two-core machine. libgomp lets a worker spin at the end of a region (so the next region, a few
 microseconds later, starts without a futex wake-up) only while it manages no more threads than
-there are CPUs; past that it spins about a thousand times and sleeps, and every one of the
-step's ~300 regions then waits for a wake-up. Measured on a 2-core Intel Xeon (model 167, bf16,
+there are CPUs; past that it spins 100 times instead of 300000 (its defaults) and sleeps, and
+every one of the step's ~300 regions then waits for a wake-up. Measured on a 2-core Intel Xeon (model 167, bf16,
 default model): 32 x 64 -> 32 generated from a second thread ran at 421-496 output tokens/s
 against 704-729 on the thread that loaded the model, and at 605-713 once that thread's team
 was released; `tessera serve` at a rate-inf `vllm bench serve` used 1.4 of the 2 cores.

@@ -25,7 +25,8 @@ def test_release_frees_the_worker_threads_a_thread_started():
     counts = {}
 
     def work():
-        torch.set_num_threads(2)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)  # ATen's count is process-wide: put back below
         counts["before"] = _threads()
         torch.ones(1 << 22).add_(1)  # an at::parallel_for region: the team's worker starts
         counts["with team"] = _threads()
@@ -34,6 +35,7 @@ def test_release_frees_the_worker_threads_a_thread_started():
         torch.ones(1 << 22).add_(1)  # the next region starts a team again
         counts["again"] = _threads()
         release_calling_thread_team()
+        torch.set_num_threads(threads)
 
     t = threading.Thread(target=work)
     t.start()
@@ -74,12 +76,14 @@ def test_a_loaded_engine_leaves_no_team_on_the_loading_thread(tiny_model_dir):
     counts = {}
 
     def load():
+        threads = torch.get_num_threads()
         torch.set_num_threads(2)
         counts["before"] = _threads()
         torch.ones(1 << 22).add_(1)
         counts["with team"] = _threads()
         counts["engine"] = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_threads=2))
         counts["after"] = _threads()
+        torch.set_num_threads(threads)
 
     t = threading.Thread(target=load)
     t.start()
