@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from tessera.config import EngineConfig
 from tessera.disagg.transport import KVTransport, make_transport
 from tessera.engine.handoff import SequenceHandoff
-from tessera.engine.openmp_team import release_calling_thread_team
 from tessera.outputs import TokenLogprobs
 from tessera.sampling import SamplingParams
 
@@ -101,8 +100,6 @@ class EngineWorker:
         self._load = WorkerLoad()
         self._stopping = False
         self._error: BaseException | None = None
-        # As AsyncLLMEngine: the loading thread's OpenMP team must not stay beside this one's.
-        release_calling_thread_team()
         self._thread = threading.Thread(target=self._run, name="tessera-worker", daemon=True)
         self._thread.start()
 
