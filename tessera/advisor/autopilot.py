@@ -21,7 +21,9 @@ is single-threaded, so changing it there is safe), and it changes three knobs:
   the autopilot estimates what a prompt token adds to a step, and keeps the budget at the chunk
   that still fits `step_fill` of the ITL objective next to the decodes, as Sarathi-Serve sizes
   its chunks from the TBT objective; it halves the budget at most per cut and waits for fresh
-  samples before the next. All of this needs more than one step of evidence because the
+  samples before the next. Given step costs measured before serving (`step_costs`: the
+  advisor's, or `tessera serve`'s cached probe), the modelled cap is in place before the first
+  step, so the first chunk next to a decode already fits. All of this needs more than one step of evidence because the
   machine is noisy: on a shared VM one step can be 1.5-2x slow for reasons the budget has
   nothing to do with (session 7, docs/advisor.md: one first estimate cut bursty 512 -> 128,
   one step 0.7% over the objective cut summarization 256 -> 224 -> 112);
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -101,8 +104,9 @@ class AutopilotConfig:
     spec_window_tokens: int = 512
     spec_on_speedup: float = 1.15
     spec_off_speedup: float = 1.0
-    # Step costs for the speculation model (e.g. the advisor's measured ones); None: the live
-    # median decode-only step and the smallest per-prompt-token estimate of recent steps.
+    # Step costs measured before serving (e.g. the advisor's): the first budget cap, before any
+    # step, and the speculation model's costs; None: the cap waits for measured steps, and
+    # speculation uses the live median decode-only step and smallest per-prompt-token estimate.
     step_costs: StepCosts | None = None
 
 
@@ -194,6 +198,8 @@ class Autopilot:
         self._last_spec = (0, 0)
         self._last_token_time: dict[str, float] = {}
         self._gaps: dict[str, list[float]] = {}
+        if config.step_costs is not None and config.slo_itl_ms is not None:
+            self._cut_to_modelled_cap(config.step_costs)
 
     @classmethod
     def for_engine(cls, engine, config: AutopilotConfig) -> Autopilot:
@@ -206,6 +212,7 @@ class Autopilot:
                  num_speculative_tokens=(engine.spec.max_k if engine.spec is not None
                                          else min(engine.config.num_speculative_tokens, config.spec_max_k)))
         ap._engine = engine
+        ap.apply(engine, ap.changes)  # the cut the step costs given in config call for, before any step
         stats = engine.stats()
         ap._last_prefix = (stats.prefix_cache_queries, stats.prefix_cache_hits)
         ap._last_spec = (stats.spec_num_proposed_tokens, stats.spec_num_accepted_tokens)
@@ -382,6 +389,37 @@ class Autopilot:
             return None
         base = self._step_base_s()
         return min(max(t - base, 0.0) / n for t, n in self._prefill_steps)
+
+    def _cut_to_modelled_cap(self, costs: StepCosts) -> None:
+        """Before any step: the largest chunk (in blocks of 16) that the step cost model puts, next
+        to one decode and at the costs' own slowdown, within `step_fill` of the ITL objective is
+        the first budget cap, and a budget above it (by more than the 10% hysteresis of
+        _cut_to_cap) is cut to it at once. Without it the first chunk next to a decode ran at the
+        full budget: on the Azure-style trace (session 14) one 509-token chunk held a decode
+        224.6 ms against a 158.5 ms objective and spoiled two requests before the reactive cuts.
+        The live estimates replace the cap once they have their samples."""
+        cfg = self.config
+        room = cfg.slo_itl_ms / 1e3 * cfg.step_fill
+
+        def modelled(c: int) -> float:  # a fresh prompt's chunk attends to itself: c (c + 1) / 2 pairs
+            return costs.step_time(c, 1, c * (c + 1) / 2) * costs.slowdown
+
+        cap = cfg.min_budget
+        while cap + 16 <= cfg.max_budget and modelled(cap + 16) <= room:
+            cap += 16
+        self.budget_cap = cap
+        if self.budget <= cap * 1.1:
+            return
+        old, self.budget = self.budget, cap
+        decision = Decision(time.monotonic(), "max_num_batched_tokens", old, cap,
+                            f"step costs {costs.source}: a {cap}-token chunk next to a decode is modelled at "
+                            f"{modelled(cap) * 1e3:.1f} ms, {cfg.step_fill:.0%} of the ITL objective {cfg.slo_itl_ms:g} ms",
+                            {"modelled_step_s": modelled(cap), "budget_cap": cap, "step_fill": cfg.step_fill,
+                             "slo_itl_ms": cfg.slo_itl_ms, "base_s": costs.base_s, "per_decode_s": costs.per_decode_s,
+                             "per_prompt_token_s": costs.per_prefill_token_s,
+                             "per_attention_s": costs.per_attention_s, "slowdown": costs.slowdown})
+        logger.info("autopilot: %s %s -> %s (%s)", decision.knob, old, cap, decision.reason)
+        self.changes.append(decision)
 
     def _cut_to_cap(self, now: float) -> list[Decision]:
         old, cfg = self.budget, self.config

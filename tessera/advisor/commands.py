@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
 from tessera.config import DEFAULT_MODEL, EngineConfig
 from tessera.engine_args import add_engine_arguments, engine_kwargs
+
+logger = logging.getLogger("tessera.advisor")
 
 
 def add_advisor_commands(sub) -> None:
@@ -183,9 +186,16 @@ def attach_serve_advisor(app, args: argparse.Namespace) -> None:
         extra.append(recorder)
     if getattr(args, "autopilot", False):
         from tessera.advisor.autopilot import Autopilot, AutopilotConfig
+        from tessera.advisor.profile import cached_step_costs
 
+        costs = cached_step_costs(engine.engine)
+        if costs is None:
+            logger.info("autopilot: no step costs cached for this model and machine; the budget cap waits for "
+                        "measured steps (`tessera profile` caches them)")
+        else:
+            logger.info("autopilot: step costs %s", costs.source)
         autopilot = Autopilot.for_engine(engine.engine, AutopilotConfig(slo_ttft_ms=args.slo_ttft_ms,
-                                                                        slo_itl_ms=args.slo_itl_ms))
+                                                                        slo_itl_ms=args.slo_itl_ms, step_costs=costs))
         app.state.metrics.registry.register(autopilot.collector(app.state.served_model_name))
         app.state.autopilot = autopilot
         extra.append(autopilot)

@@ -194,6 +194,16 @@ def measure_step_costs(info: ModelInfo, dtype: str = "auto", num_threads: int | 
     return measure_costs_by_mode(info, [quantization], dtype, num_threads, use_cache, rounds=1)[quantization]
 
 
+def cached_step_costs(engine) -> StepCosts | None:
+    """The step costs `tessera profile` / `advise` measured and cached for this engine's model,
+    dtype, threads, quantization, kernels and OpenMP settings, or None: a lookup, never a probe
+    (a probe builds a second engine, and beside a large model's weights that does not fit)."""
+    info = ModelInfo(engine.config.model, engine.model_config, engine.dtype,
+                     engine.config.max_model_len or engine.model_config.max_position_embeddings, engine.model_path)
+    entry = _read_cache().get(_cache_key(info, engine.config.num_threads, engine.config.quantization))
+    return StepCosts(**entry) if entry else None
+
+
 def measure_costs_by_mode(info: ModelInfo, modes: list[str], dtype: str = "auto", num_threads: int | None = None,
                           use_cache: bool = True, rounds: int = 2) -> dict[str, StepCosts]:
     """Step costs of each quantization mode, timed in alternation over `rounds` rounds: each raw

@@ -227,6 +227,55 @@ def test_the_cost_cap_waits_for_enough_samples_of_each_kind():
     assert prefill_only.decide(0.0) == [] and prefill_only.budget_cap is None
 
 
+def _naive_cap(costs, slo_itl_ms: float, step_fill: float = 0.7) -> int:
+    """The largest multiple of 16 whose modelled step (one decode, a fresh prompt's chunk) fits."""
+    best = 64
+    for c in range(16, 8193, 16):
+        t = (costs.base_s + costs.per_decode_s + costs.per_prefill_token_s * c
+             + costs.per_attention_s * c * (c + 1) / 2) * costs.slowdown
+        if t <= slo_itl_ms / 1e3 * step_fill:
+            best = max(best, c)
+    return best
+
+
+def test_step_costs_given_before_serving_cap_the_budget_before_the_first_step():
+    from tessera.advisor.sim import StepCosts
+
+    # 10 ms + 1 ms of a decode + 0.2 ms a prompt token within 70 ms: c <= 295, so 288.
+    linear = StepCosts(0.010, 0.001, 0.0002, source="measured")
+    ap = pilot(slo_itl_ms=100, step_costs=linear)
+    assert ap.budget == ap.budget_cap == 288 == _naive_cap(linear, 100)
+    (change,) = ap.changes
+    assert (change.knob, change.old, change.new) == ("max_num_batched_tokens", 512, 288)
+    assert "a 288-token chunk next to a decode is modelled at 68.6 ms, 70% of the ITL objective 100 ms" in change.reason
+    # The attention term (1 us a pair: a 192-token chunk adds 18.5 ms) and a slowdown both shrink it.
+    quadratic = StepCosts(0.010, 0.001, 0.0002, per_attention_s=1e-6)
+    assert pilot(slo_itl_ms=100, step_costs=quadratic).budget == 192 == _naive_cap(quadratic, 100)
+    slow = StepCosts(0.010, 0.001, 0.0002, slowdown=1.2)
+    assert pilot(slo_itl_ms=100, step_costs=slow).budget == 224 == _naive_cap(slow, 100)
+    # A budget within 10% of the cap stays (the live cap's hysteresis); without an ITL objective, no cap.
+    near = Autopilot(AutopilotConfig(slo_itl_ms=100, step_costs=linear), enable_prefix_caching=True,
+                     max_num_batched_tokens=300)
+    assert (near.budget, near.budget_cap, near.changes) == (300, 288, [])
+    none = pilot(step_costs=linear)
+    assert (none.budget, none.budget_cap, none.changes) == (512, None, [])
+    # Nothing fits: the floor.
+    assert pilot(slo_itl_ms=5, step_costs=linear).budget == 64
+
+
+def test_the_modelled_cap_reaches_the_engine_before_any_step(tiny_model_dir):
+    from tessera.advisor.sim import StepCosts
+
+    engine = engine_for(tiny_model_dir, max_num_batched_tokens=512, max_num_seqs=256)
+    # 11 ms + 0.2 ms a token within 0.7 x 50 ms: 120 tokens, so 112
+    ap = Autopilot.for_engine(engine, AutopilotConfig(slo_itl_ms=50, step_costs=StepCosts(0.010, 0.001, 0.0002)))
+    assert engine.scheduler.max_num_batched_tokens == ap.budget == 112
+    assert engine.scheduler.max_num_seqs == 112  # every running sequence still decodes each step
+    engine.add_request("r", list(range(3, 203)), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    engine.step()
+    assert engine.stats().last_step_num_tokens == 112  # the first chunk of the 200-token prompt
+
+
 def test_budget_doubles_for_ttft_only_while_itl_has_room():
     ap = pilot(slo_ttft_ms=200, slo_itl_ms=50, max_budget=1024)
     for _ in range(4):
@@ -373,6 +422,27 @@ def test_serve_records_a_trace_and_exports_the_autopilot(tiny_model_dir, tmp_pat
     assert read_trace(path)[0].arrival_time == 0.0
     assert 'tessera:autopilot_max_num_batched_tokens{model_name="tiny"}' in metrics
     assert app.state.autopilot.budget == app.state.engine.engine.scheduler.max_num_batched_tokens
+
+
+def test_serve_autopilot_starts_from_the_step_costs_tessera_profile_cached(tiny_model_dir, tmp_path, monkeypatch):
+    from tessera.advisor import profile
+    from tessera.advisor.commands import attach_serve_advisor
+    from tessera.server.app import create_app
+
+    monkeypatch.setenv("TESSERA_CACHE", str(tmp_path))
+    config = EngineConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=256, num_threads=1,
+                          kv_cache_memory=1 << 20)
+    app = create_app(config, served_model_name="tiny")
+    engine = app.state.engine.engine
+    assert profile.cached_step_costs(engine) is None  # nothing measured yet: the cap waits for live steps
+    costs = profile.measure_step_costs(profile.load_model_info(str(tiny_model_dir), "float32", 256), "float32", 1)
+    assert profile.cached_step_costs(engine) == costs
+    # An objective the probe's costs fit a 130-token chunk in at 70% (128 in blocks of 16): 512 is cut.
+    slo = (costs.base_s + costs.per_decode_s + costs.per_prefill_token_s * 130
+           + costs.per_attention_s * 130 * 131 / 2) / 0.7 * 1e3
+    attach_serve_advisor(app, argparse.Namespace(record_trace=None, autopilot=True, slo_ttft_ms=None, slo_itl_ms=slo))
+    assert app.state.autopilot.budget == engine.scheduler.max_num_batched_tokens == _naive_cap(costs, slo) == 128
+    assert "step costs measured on" in app.state.autopilot.changes[0].reason
 
 
 def test_a_budget_that_broke_itl_is_not_retried_for_ttft_at_once():
