@@ -311,7 +311,10 @@ class LLMEngine:
         step = self.runner.prepare(scheduled, num_decodes, spec_tokens)
         # Grammar masks are filled on a worker thread while the model step runs.
         mask_future = self.structured.fill_async([s.seq_id for s in step.sample_seqs], spec_tokens)
-        logits = self.runner.execute(step)
+        # The lm_head's kernel finds each row's argmax on the way where a row samples greedily
+        # (not for a speculative step: verification compares its own rows).
+        wants_argmax = not spec_tokens and any(s.sampling_params.is_greedy for s in step.sample_seqs)
+        logits, argmax = self.runner.execute_argmax(step, wants_argmax)
         token_mask = mask_future.result() if mask_future is not None else None
         self.scheduler.update_after_step(out)
         self._last_step = (len(scheduled), step.metadata.num_tokens)
@@ -333,6 +336,7 @@ class LLMEngine:
             [self._generators.get(s.seq_id) for s in seqs],
             eos_token_ids=self.eos_token_ids,
             token_mask=token_mask,
+            argmax=argmax,
         )
         outputs = self._process_samples(seqs, [[t] for t in sampled.token_ids], sampled.logprobs, time.monotonic())
         if self.spec is not None:

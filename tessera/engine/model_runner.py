@@ -162,7 +162,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
         """Run the model on the step; return float32 logits of the sampling rows [S, vocab]."""
+        return self.execute_argmax(step, argmax=False)[0]
+
+    def execute_argmax(self, step: StepInput, argmax: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """execute(step), and with `argmax` each sampling row's first maximum of its logits where
+        the lm_head's kernel finds it in its epilogue (None otherwise): what greedy rows sample."""
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
         if step.sample_rows.numel() == 0:
-            return hidden.new_empty((0, 0), dtype=torch.float32)
-        return self.model.compute_logits(hidden.index_select(0, step.sample_rows))
+            return hidden.new_empty((0, 0), dtype=torch.float32), None
+        rows = hidden.index_select(0, step.sample_rows)
+        if argmax:
+            return self.model.compute_logits_argmax(rows)
+        return self.model.compute_logits(rows), None

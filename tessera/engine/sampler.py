@@ -191,8 +191,13 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         eos_token_ids: Collection[int] = (),
         token_mask: TokenMask | None = None,
+        argmax: torch.Tensor | None = None,
     ) -> SamplerOutput:
         """One token per row of `logits` [B, V]; every list argument has one entry per row.
+
+        `argmax` [B]: each row's first maximum of `logits` as given, found by the lm_head's kernel
+        (ModelRunner.execute_argmax); greedy rows take it when nothing below changed the logits
+        (no grammar mask, penalty or min_tokens hold), saving a pass over [B, V].
 
         `token_mask` (structured outputs) sets the tokens its rows' grammars forbid to -inf
         before anything else, so logprobs too are those of the constrained distribution.
@@ -208,6 +213,7 @@ class Sampler:
                 f"{len(prompt_token_ids)}/{len(generators)}"
             )
         device = logits.device
+        given = logits
         logits = logits.float()  # never written in place below: it may be the caller's tensor
         if token_mask is not None:
             logits = apply_bitmask(logits, token_mask.bitmask, token_mask.rows)
@@ -232,8 +238,11 @@ class Sampler:
             raw_logprobs = logits[torch.tensor(wants_logprobs, device=device)].log_softmax(-1)
 
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        # Every step above returns a new tensor when it changes anything: the same one means the
+        # kernel's argmax is still the logits' argmax.
+        greedy = argmax if argmax is not None and logits is given else None
         if not random_rows:
-            token_ids = first_argmax(logits)
+            token_ids = greedy if greedy is not None else first_argmax(logits)
         elif len(random_rows) == num_rows:
             token_ids = self._sample_random(logits, params, generators)
         else:
@@ -241,7 +250,7 @@ class Sampler:
             sampled = self._sample_random(
                 logits[rows], [params[i] for i in random_rows], [generators[i] for i in random_rows]
             )
-            token_ids = first_argmax(logits).index_put((rows,), sampled)
+            token_ids = (greedy if greedy is not None else first_argmax(logits)).index_put((rows,), sampled)
 
         logprobs: list[TokenLogprobs | None] = [None] * num_rows
         if wants_logprobs:

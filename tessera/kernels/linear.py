@@ -90,6 +90,14 @@ class InvariantLinear(nn.Module):
             return kernels.ops().linear_bf16(x, self.packed, None, self.out_features, True, BF16_ARITHMETIC)
         return self.forward(x)
 
+    def forward_float_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(forward_float(x), each row's first maximum of it, or None where no kernel finds it:
+        float32 weights). The bf16 kernel finds it in its store epilogue, so greedy sampling
+        need not read the logits again."""
+        if self.dtype == torch.bfloat16:
+            return kernels.ops().linear_bf16_argmax(x, self.packed, None, self.out_features, BF16_ARITHMETIC)
+        return self.forward(x), None
+
     def weight_bytes(self) -> int:
         return self.packed.numel() * self.packed.element_size()
 

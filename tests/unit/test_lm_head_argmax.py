@@ -1,0 +1,75 @@
+"""Greedy sampling inside the lm_head's kernel (linear_bf16_argmax): the logits are exactly
+linear_bf16's fp32 output and the ids exactly torch.argmax of them (the first maximum), on both
+bf16 arithmetics; the sampler takes the kernel's ids only where nothing changed the logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessera import kernels
+from tessera.engine.sampler import Sampler
+from tessera.kernels import linear
+from tessera.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the C++ kernels did not build here")
+
+ARITHMETICS = [pytest.param(0, id="avx512", marks=pytest.mark.skipif(
+                   not kernels.cpu_has_avx512_bf16(), reason="needs AVX-512 BF16")),
+               pytest.param(1, id="amx", marks=pytest.mark.skipif(
+                   not kernels.cpu_has_amx_bf16(), reason="needs AMX bf16"))]
+
+
+@pytest.mark.parametrize("arithmetic", ARITHMETICS)
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 4099, 576), (32, 8192, 128), (7, 1000, 64), (97, 517, 96),
+                                           (0, 64, 32)])
+def test_logits_and_first_maximum_match_torch(arithmetic, m, n, k, monkeypatch):
+    monkeypatch.setattr(linear, "BF16_ARITHMETIC", arithmetic)
+    g = torch.Generator().manual_seed(m * 7 + n)
+    lin = linear.InvariantLinear(torch.randn(n, k, generator=g).bfloat16())
+    x = torch.randn(m, k, generator=g).bfloat16()
+    logits, ids = lin.forward_float_argmax(x)
+    reference = lin.forward_float(x)
+    assert torch.equal(logits, reference)
+    assert ids.dtype == torch.int64 and torch.equal(ids, reference.argmax(-1))
+
+
+@pytest.mark.parametrize("arithmetic", ARITHMETICS)
+def test_ties_go_to_the_first_column(arithmetic, monkeypatch):
+    # Three copies of the same 40 rows of weights: every maximum appears three times (in other
+    # column tasks and lanes); bf16 rounding also makes ties within one copy.
+    monkeypatch.setattr(linear, "BF16_ARITHMETIC", arithmetic)
+    w = torch.randn(40, 64).bfloat16()
+    lin = linear.InvariantLinear(torch.cat([w, w, w]))
+    x = torch.randn(50, 64).bfloat16()
+    logits, ids = lin.forward_float_argmax(x)
+    assert torch.equal(ids, logits.argmax(-1)) and bool((ids < 40).all())
+
+
+def test_float32_weights_give_no_kernel_argmax():
+    lin = linear.InvariantLinear(torch.randn(100, 32))
+    logits, ids = lin.forward_float_argmax(torch.randn(3, 32))
+    assert ids is None and logits.shape == (3, 100)
+
+
+def _sample(logits, params, argmax, **kw):
+    n = logits.shape[0]
+    return Sampler().sample(logits, params, [[] for _ in range(n)], [[1] for _ in range(n)], [None] * n,
+                            argmax=argmax, **kw).token_ids
+
+
+def test_the_sampler_takes_the_kernel_ids_only_for_unchanged_logits():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]])
+    marker = torch.tensor([2, 2])  # not the argmax: shows which ids a row took
+    greedy = SamplingParams(temperature=0.0)
+    assert _sample(logits, [greedy, greedy], marker) == [2, 2]
+    assert _sample(logits, [greedy, greedy], None) == [1, 0]
+    # A penalty changes the logits: the kernel's ids no longer apply.
+    penalized = SamplingParams(temperature=0.0, presence_penalty=0.5)
+    assert _sample(logits, [penalized, greedy], marker) == [1, 0]
+    # min_tokens holding back EOS (id 1) changes row 0's logits: both rows recompute.
+    held = SamplingParams(temperature=0.0, min_tokens=2)
+    assert _sample(logits, [held, greedy], marker, eos_token_ids=[1]) == [2, 0]
+    # A random row next to greedy ones: the greedy row takes the kernel's id.
+    hot = SamplingParams(temperature=1.0, top_k=1)
+    assert _sample(logits, [greedy, hot], marker) == [2, 0]
