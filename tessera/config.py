@@ -161,7 +161,8 @@ class EngineConfig:
     attention_backend: str = "auto"  # see tessera.attention.backend: auto | torch | triton
     num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
     # enforce_eager: vLLM's name: the model step runs module by module, op by op (off: a llama
-    # model on the CPU kernels runs its decoder stack as one native call, tessera/model/native_stack.py).
+    # model on the CPU kernels runs its decoder stack as one native call, tessera/model/native_stack.py;
+    # on CUDA, decode steps replay graphs captured per batch-size bucket, tessera/engine/cuda_graphs.py).
     # deterministic: the batch-invariant linear kernels in float32 too (docs/reproducibility.md).
     enforce_eager: bool = False
     deterministic: bool = False

@@ -108,8 +108,8 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("attention_backend", "--attention-backend", "Attention kernels: torch, triton, or auto (triton on "
                "CUDA, torch on CPU).", choices=("auto", "torch", "triton")),
     EngineFlag("enforce_eager", "--enforce-eager", "vLLM's flag: run the model step module by module (default: a "
-               "llama model on the CPU kernels runs its whole decoder stack as one native call; no CUDA graphs "
-               "yet).", boolean=True),
+               "llama model on the CPU kernels runs its whole decoder stack as one native call; on CUDA, decode "
+               "steps replay CUDA graphs captured per batch-size bucket).", boolean=True),
     EngineFlag("deterministic", "--deterministic", "Batch-invariant linears in float32 too (bf16 on CPUs with "
                "AVX-512 BF16 or AMX has them by default): same tokens whatever the batch, prefill GEMMs 1.5-1.7x "
                "slower.", boolean=True),

@@ -16,7 +16,7 @@ point there, so a gather with padding never reads another sequence's data by acc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -62,6 +62,22 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
+
+    def to(self, device: torch.device) -> AttentionMetadata:
+        """This metadata with every tensor on `device` (the runner builds them on the host)."""
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return replace(
+            self,
+            slot_mapping=self.slot_mapping.to(device),
+            decode_slots=move(self.decode_slots),
+            decode_mask=move(self.decode_mask),
+            prefills=[replace(span, context_slots=span.context_slots.to(device), block_table=move(span.block_table))
+                      for span in self.prefills],
+            decode_block_tables=move(self.decode_block_tables),
+            decode_context_lens=move(self.decode_context_lens),
+        )
 
 
 def slots_for_positions(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:

@@ -130,7 +130,9 @@ def _build_plan(metadata: AttentionMetadata, num_heads: int, num_kv_heads: int, 
             )
         decode_slots = slots.to(device=device, dtype=torch.long).contiguous()
         max_context = int(slots.shape[1])
-        if metadata.decode_mask is None:
+        if metadata.decode_context_lens is not None:  # a no-op on a CUDA graph's own int32 buffer
+            decode_lens = metadata.decode_context_lens.to(device=device, dtype=torch.int32)
+        elif metadata.decode_mask is None:
             decode_lens = torch.full((num_decodes,), max_context, dtype=torch.int32, device=device)
         else:
             mask = metadata.decode_mask.to(device).reshape(num_decodes, max_context)

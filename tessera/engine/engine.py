@@ -118,6 +118,8 @@ class LLMEngine:
         num_host_blocks = num_host_kv_blocks(config.swap_space, config.block_size,
                                              kv_bytes_per_token(mc, self.dtype, config.kv_cache_dtype))
         self.runner = ModelRunner(model, num_blocks, config.block_size, num_host_blocks, config.kv_cache_dtype)
+        if self.runner.device.type == "cuda" and not config.enforce_eager:
+            self.runner.capture_decode_graphs(self.max_model_len, config.max_num_seqs)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.host_pool = HostBlockPool(num_host_blocks, config.block_size) if num_host_blocks else None
         mode = config.preemption_mode if num_host_blocks else "recompute"

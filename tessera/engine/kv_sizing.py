@@ -34,7 +34,9 @@ def num_kv_blocks(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, max
     if config.kv_cache_memory is not None:
         budget = config.kv_cache_memory
     else:
-        budget = min(int(available_memory_bytes() * config.kv_cache_memory_fraction), DEFAULT_KV_CAP_BYTES)
+        free = torch.cuda.mem_get_info(torch.device(config.device))[0] if config.device.startswith("cuda") \
+            else available_memory_bytes()
+        budget = min(int(free * config.kv_cache_memory_fraction), DEFAULT_KV_CAP_BYTES)
     by_budget = budget // block_bytes
     # More blocks than max_num_seqs full-length sequences can ever hold would only waste memory.
     by_use = -(-config.max_num_seqs * max_model_len // config.block_size)

@@ -9,7 +9,7 @@ per step, never once per layer.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -70,6 +70,24 @@ class ModelRunner:
         # The host KV tier (--swap-space): same layout, blocks copied in and out by swap_blocks.
         self.host_kv = HostKVCache(self.kv_caches, num_host_blocks, block_size) if num_host_blocks else None
         self._block_offsets = torch.arange(block_size, dtype=torch.long)
+        self.device = self.kv_caches[0][0].device
+        self.decode_graphs = None  # tessera.engine.cuda_graphs.DecodeGraphs, once captured
+
+    def capture_decode_graphs(self, max_model_len: int, max_num_seqs: int, capture: bool = True) -> None:
+        """Capture the decode forward in CUDA graphs, one per batch-size bucket (see
+        tessera/engine/cuda_graphs.py); decode-only steps replay them from then on. A model whose
+        step cannot be captured (a kernel that syncs with the host) keeps running eagerly."""
+        from tessera.engine.cuda_graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_model_len, max_num_seqs, capture)
+        try:
+            seconds = graphs.capture_all()
+        except Exception as exc:  # noqa: BLE001 - any capture failure leaves the eager path, which works
+            logger.warning("CUDA graphs not captured (%s: %s); decode steps run eagerly", type(exc).__name__, exc)
+            return
+        self.decode_graphs = graphs
+        logger.info("CUDA graphs: decode batch sizes %s captured in %.1fs (--enforce-eager: none)",
+                    graphs.sizes, seconds)
 
     def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Run a step's block copies before its forward pass: (device, host) pairs out, then
@@ -167,6 +185,14 @@ class ModelRunner:
     def execute_argmax(self, step: StepInput, argmax: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """execute(step), and with `argmax` each sampling row's first maximum of its logits where
         the lm_head's kernel finds it in its epilogue (None otherwise): what greedy rows sample."""
+        if self.decode_graphs is not None:
+            with torch.inference_mode():
+                logits = self.decode_graphs.run(step.input_ids, step.positions, step.metadata)
+            if logits is not None:
+                return logits, None
+        if self.device.type != "cpu":  # built on the host; the model and its caches are on the device
+            step = replace(step, input_ids=step.input_ids.to(self.device), positions=step.positions.to(self.device),
+                           metadata=step.metadata.to(self.device), sample_rows=step.sample_rows.to(self.device))
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
         if step.sample_rows.numel() == 0:
             return hidden.new_empty((0, 0), dtype=torch.float32), None

@@ -185,6 +185,10 @@ class RotaryEmbedding(nn.Module):
         return RopeAt(self, positions, dtype)
 
     def _cover(self, positions: torch.Tensor) -> None:
+        # Reading the largest position syncs with the device, which a CUDA graph's capture may
+        # not do; the graph runner grows the tables to max_model_len before it captures.
+        if positions.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
         if positions.numel() and int(positions.max()) >= self._cos.shape[0]:
             self._grow(max(int(positions.max()) + 1, 2 * self._cos.shape[0]))
 
