@@ -45,7 +45,7 @@ class TritonAttentionConfig:
 
     decode_block_n: int = 64  # context positions per inner-loop tile
     decode_num_warps: int = 4
-    decode_num_stages: int = 2
+    decode_num_stages: int = 3  # H200, benchmarks/gpu/RESULTS.md: 96% of copy bandwidth against 77% at 2, same bits
     num_splits: int | None = None  # None: chosen per step to fill the GPU
     programs_per_sm: int = 4  # split heuristic: aim for this many decode programs per SM
     min_tokens_per_split: int = 256  # never cut a context finer than this

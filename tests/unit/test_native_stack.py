@@ -74,9 +74,9 @@ def test_native_stack_forward_equals_modules_on_a_mixed_step(tiny_model_factory)
                                     max_model_len=256, max_num_batched_tokens=24))
     runner, model = engine.runner, engine.runner.model
     captured = []
-    execute = runner.execute
+    execute = runner.execute_argmax  # what the engine's step calls
 
-    def both(step):
+    def both(step, argmax=True):
         stack = model.native_stack
         hidden = model(step.input_ids, step.positions, runner.kv_caches, step.metadata)
         model.native_stack = None
@@ -85,9 +85,9 @@ def test_native_stack_forward_equals_modules_on_a_mixed_step(tiny_model_factory)
         finally:
             model.native_stack = stack
         captured.append((step.metadata.num_decode_tokens, len(step.metadata.prefills), hidden, reference))
-        return execute(step)
+        return execute(step, argmax)
 
-    runner.execute = both
+    runner.execute_argmax = both
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     while engine.has_unfinished_requests():
