@@ -71,7 +71,8 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("kv_cache_memory", "--kv-cache-memory", "KV cache pool size, e.g. 2GiB (unset: "
                "--gpu-memory-utilization of the free memory).", type=parse_memory, metavar="SIZE"),
     EngineFlag("kv_cache_memory_fraction", "--gpu-memory-utilization", "Fraction of free memory the KV cache pool "
-               "may take when --kv-cache-memory is unset (vLLM's name; on CPU, of free host memory).", type=float,
+               "may take when --kv-cache-memory is unset (vLLM's name; on CPU, of free host memory and at most "
+               "4 GiB; on CUDA, of the GPU's free memory).", type=float,
                metavar="FRACTION"),
     EngineFlag("block_size", "--block-size", "Tokens per KV cache block (a power of two).", type=int),
     EngineFlag("max_num_seqs", "--max-num-seqs", "Most sequences in one engine step (the batch size).", type=int),

@@ -301,7 +301,7 @@ def render(report: dict) -> str:
     ]
     tests = report.get("tests")
     if tests:
-        lines += ["## Kernel tests on the GPU", "", f"`pytest tests/unit/test_triton_attention.py`: {tests}", ""]
+        lines += ["## Kernel tests on the GPU", "", f"`pytest` of test_triton_attention.py, test_triton_elementwise.py and test_decode_graphs.py (tests/unit): {tests}", ""]
     bw = report.get("bandwidth")
     if bw:
         lines += [

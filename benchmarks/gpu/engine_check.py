@@ -2,8 +2,10 @@
 
 For each model shape (random weights in bf16, written as an HF folder by the tests' tiny-model
 writer, whose tokenizer has 267 tokens: the lm_head is negligible here, unlike a real model's),
-two engines in turn on the same prompts: `enforce_eager=True` (every kernel launched from
-Python) and the default (decode steps replayed from CUDA graphs, tessera/engine/cuda_graphs.py):
+three engines in turn on the same prompts: `enforce_eager=True` (every kernel launched from
+Python), the default (decode steps replayed from CUDA graphs, tessera/engine/cuda_graphs.py),
+and the default with the layers' fused elementwise kernels hidden (their torch ops instead:
+tessera/kernels/triton_elementwise.py):
   - start-up: LLM(...) to ready, graph capture included;
   - greedy tokens of both, compared (bf16: a near tie may flip; the fp32 parity test is
     tests/unit/test_decode_graphs.py, which run.sh runs on the GPU);
@@ -29,8 +31,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tessera import LLM, SamplingParams  # noqa: E402
+from tessera.kernels import triton_elementwise  # noqa: E402
 from tests.tiny_model import make_tiny_model_dir  # noqa: E402
 
+_usable = triton_elementwise.usable
 SHAPES = {
     # name: (layers, hidden, heads, kv heads, head_dim, intermediate)
     "smollm2-135m-shape": (30, 576, 9, 3, 64, 1536),
@@ -53,7 +57,17 @@ def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[floa
     return seconds, [list(o.outputs[0].token_ids) for o in outs]
 
 
-def measure(model_dir: Path, eager: bool, args) -> dict:
+MODES = (  # (label, enforce_eager, the layers' fused Triton elementwise kernels)
+    ("eager", True, True),
+    ("cuda graphs", False, True),
+    ("cuda graphs, unfused elementwise", False, False),
+)
+
+
+def measure(model_dir: Path, mode: tuple[str, bool, bool], args) -> dict:
+    label, eager, fused = mode
+    # The unfused mode hides the kernels from the layers, which then run their torch ops.
+    triton_elementwise.usable = _usable if fused else (lambda x: False)
     t0 = time.perf_counter()
     llm = LLM(str(model_dir), dtype=args.dtype, device=args.device, enforce_eager=eager, max_model_len=1024,
               max_num_seqs=args.batch, kv_cache_memory=args.kv_gib << 30, max_num_batched_tokens=8192)
@@ -71,7 +85,7 @@ def measure(model_dir: Path, eager: bool, args) -> dict:
     batch_prompts = _prompts(args.batch, args.prompt_len, vocab, 3)
     s_batch, batch_tokens = _generate(llm, batch_prompts, args.output_len)
     result = {
-        "mode": "eager" if eager else "cuda graphs",
+        "mode": label,
         "graph sizes": graphs.sizes if graphs is not None else None,
         "startup s": round(startup, 2),
         "one-stream TTFT ms": round(s_first * 1e3, 2),
@@ -116,19 +130,22 @@ def main() -> None:
                                         max_position_embeddings=4096)
         print(f"{name}: model written in {time.perf_counter() - t0:.1f}s", flush=True)
         results = []
-        for eager in (True, False):
+        for mode in MODES:
             try:
-                results.append(measure(model_dir, eager, args))
+                results.append(measure(model_dir, mode, args))
             except Exception as exc:  # noqa: BLE001 - report and go on to the next case
-                results.append({"mode": "eager" if eager else "cuda graphs", "error": f"{type(exc).__name__}: {exc}"})
+                results.append({"mode": mode[0], "error": f"{type(exc).__name__}: {exc}"})
             shown = {k: v for k, v in results[-1].items() if k != "tokens"}
             print(f"  {shown}", flush=True)
-        if all("tokens" in r for r in results):
-            a, b = results[0]["tokens"], results[1]["tokens"]
+        a = results[0].get("tokens")
+        for r in results[1:]:
+            b = r.get("tokens")
+            if a is None or b is None:
+                continue
             same = sum(x == y for x, y in zip(a, b, strict=True))
             agree = sum(p == q for x, y in zip(a, b, strict=True) for p, q in zip(x, y)) / sum(len(x) for x in a)
-            results[1]["sequences identical to eager"] = f"{same}/{len(a)}"
-            results[1]["token agreement with eager"] = round(agree, 4)
+            r["sequences identical to eager"] = f"{same}/{len(a)}"
+            r["token agreement with eager"] = round(agree, 4)
         for r in results:
             r.pop("tokens", None)
         report["shapes"][name] = results

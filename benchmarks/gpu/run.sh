@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks in one go on any NVIDIA machine (about 6-8 minutes in all):
-#   tests:     the Triton kernel tests (tests/unit/test_triton_attention.py) on the GPU, bf16
+#   tests:     the Triton kernel tests (tests/unit/test_triton_attention.py, the layers' fused
+#              elementwise kernels in test_triton_elementwise.py) on the GPU, bf16
 #              included, and the CUDA-graph decode tests (tests/unit/test_decode_graphs.py:
 #              captured graphs against the CPU engine's tokens, padding rows write no K/V);
 #   engine:    benchmarks/gpu/engine_check.py: the whole engine, CUDA graphs against eager
@@ -34,7 +35,7 @@ tests_file=benchmarks/gpu/tests.txt
 
 if [[ " $STEPS " == *" tests "* ]]; then
   log=$(mktemp)
-  timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_triton_attention.py \
+  timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_triton_attention.py tests/unit/test_triton_elementwise.py \
     tests/unit/test_decode_graphs.py 2>&1 | tee "$log"
   tests_rc=${PIPESTATUS[0]}
   summary=$(grep -E "^[0-9]+ (passed|failed)|^=+ .*(passed|failed|error)" "$log" | tail -1 | tr -d '=' | xargs)

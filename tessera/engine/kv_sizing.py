@@ -11,8 +11,8 @@ from tessera.quant.kv import kv_bytes_per_token
 
 logger = logging.getLogger("tessera")
 
-# Without --kv-cache-memory the pool takes a fraction of available memory, at most this much:
-# a CPU host shares its RAM with everything else, and an unbounded default surprises people.
+# Without --kv-cache-memory the pool takes a fraction of available memory, on a CPU at most this
+# much: a CPU host shares its RAM with everything else, and an unbounded default surprises people.
 DEFAULT_KV_CAP_BYTES = 4 << 30
 
 
@@ -34,9 +34,10 @@ def num_kv_blocks(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, max
     if config.kv_cache_memory is not None:
         budget = config.kv_cache_memory
     else:
-        free = torch.cuda.mem_get_info(torch.device(config.device))[0] if config.device.startswith("cuda") \
-            else available_memory_bytes()
-        budget = min(int(free * config.kv_cache_memory_fraction), DEFAULT_KV_CAP_BYTES)
+        if config.device.startswith("cuda"):  # the GPU's free memory is the pool's alone: no cap
+            budget = int(torch.cuda.mem_get_info(torch.device(config.device))[0] * config.kv_cache_memory_fraction)
+        else:
+            budget = min(int(available_memory_bytes() * config.kv_cache_memory_fraction), DEFAULT_KV_CAP_BYTES)
     by_budget = budget // block_bytes
     # More blocks than max_num_seqs full-length sequences can ever hold would only waste memory.
     by_use = -(-config.max_num_seqs * max_model_len // config.block_size)

@@ -64,6 +64,12 @@ class RMSNorm(nn.Module):
             # One pass (tessera/kernels/csrc/fused_ops.cpp), the same rounding points.
             normed, summed = kernels.ops().add_rms_norm(x, residual, self.weight, self.eps)
             return normed if residual is None else (normed, summed)
+        if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and x.dtype == self.weight.dtype:
+            from tessera.kernels import triton_elementwise as gpu  # one kernel, not five
+
+            if gpu.usable(x):
+                normed, summed = gpu.add_rms_norm(x, residual, self.weight, self.eps)
+                return normed if residual is None else (normed, summed)
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -210,6 +216,11 @@ class RopeAt:
         if kernels.fused(x) and x.stride(2) == 1 and x.stride(1) == d and self.positions.dtype == torch.long:
             rows = x.as_strided((t, heads * d), (x.stride(0), 1))
             return kernels.ops().rotary(rows, self.rotary._cos, self.rotary._sin, self.positions.contiguous(), heads, d)
+        if x.is_cuda and x.stride(2) == 1 and d % 2 == 0:
+            from tessera.kernels import triton_elementwise as gpu  # one kernel, not four
+
+            if gpu.usable(x):
+                return gpu.rotary(x, self.rotary._cos, self.rotary._sin, self.positions)
         if self._cos_sin is None:
             self._cos_sin = self.rotary.cos_sin(self.positions, self.dtype)
         return apply_rotary(x, *self._cos_sin)
@@ -245,6 +256,11 @@ class SwiGLUMLP(nn.Module):
         gate_up = linear(x, self.gate_up_proj)
         if kernels.fused(gate_up) and gate_up.is_contiguous():
             return linear(kernels.ops().silu_mul(gate_up), self.down_proj)  # one pass, same rounding
+        if gate_up.is_cuda and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+            from tessera.kernels import triton_elementwise as gpu
+
+            if gpu.usable(gate_up):
+                return linear(gpu.silu_mul(gate_up), self.down_proj)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return linear(F.silu(gate) * up, self.down_proj)
 
