@@ -30,13 +30,8 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def usable(x: torch.Tensor) -> bool:
-    """Whether the layers should run x through these kernels: a CUDA tensor of a float dtype,
-    while a CUDA graph is being captured. Launched one by one from Python, a Triton kernel costs
-    more than the torch ops it replaces (on an H200 the eager decode step went from 13.6 to 23.2
-    ms a token with them: Triton's launcher binds and checks every argument in Python); inside a
-    graph the launch is gone and only the saved kernels count (1.26 against 2.38 ms a token).
-    So the captured decode steps use them and the eager steps (prefills, --enforce-eager) do not."""
-    return triton is not None and x.is_cuda and x.dtype in _DTYPES and torch.cuda.is_current_stream_capturing()
+    """Whether the layers should run x through these kernels: a CUDA tensor of a float dtype."""
+    return triton is not None and x.is_cuda and x.dtype in _DTYPES
 
 
 if triton is not None:
