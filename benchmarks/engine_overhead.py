@@ -56,7 +56,7 @@ def instrument(engine: LLMEngine, timer: PhaseTimer) -> None:
     engine.scheduler.schedule = timer.wrap("schedule", engine.scheduler.schedule)
     engine.scheduler.update_after_step = timer.wrap("schedule", engine.scheduler.update_after_step)
     engine.runner.prepare = timer.wrap("prepare", engine.runner.prepare)
-    engine.runner.execute = timer.wrap("forward", engine.runner.execute)
+    engine.runner.execute_argmax = timer.wrap("forward", engine.runner.execute_argmax)  # what step() calls
     engine.sampler.sample = timer.wrap("sample", engine.sampler.sample)
     engine._process_samples = timer.wrap("detok+stop", engine._process_samples)
     from tessera.attention import invariant_cpu

@@ -36,9 +36,9 @@ PROMPTS = [[3 + i, 7, 11 + 2 * i, 5] * (i + 1) for i in range(6)]
 MAX_TOKENS = [4, 6, 9, 12, 14, 16]
 
 
-def _engine(model_dir, backend: str, enforce_eager: bool = True, device: str = DEVICE) -> LLM:
+def _engine(model_dir, backend: str, enforce_eager: bool = True, device: str = DEVICE, **features) -> LLM:
     return LLM(str(model_dir), dtype="float32", device=device, attention_backend=backend, max_model_len=96,
-               max_num_seqs=6, enforce_eager=enforce_eager, num_threads=1)
+               max_num_seqs=6, enforce_eager=enforce_eager, num_threads=1, **features)
 
 
 def _greedy(llm: LLM) -> list[list[int]]:
@@ -87,6 +87,37 @@ def test_padded_decode_graphs_match_eager(tiny_model_dir, reference_tokens):
     # capture size (5 rows in the bucket of 6, 3 in that of 4).
     assert len(replayed) >= max(MAX_TOKENS) - 1
     assert {5, 3} <= set(replayed)
+
+
+# Engine features whose steps mix with the graphs' decode steps; each keeps greedy tokens.
+FEATURES = {
+    "chunked prefill": dict(max_num_batched_tokens=16),  # prompts in chunks, next to padded decodes
+    "preemption": dict(kv_cache_memory=8 * 16 * 512, swap_space=0),  # 7 usable blocks for ~12 blocks of work
+    "ngram speculation": dict(speculative_method="ngram", num_speculative_tokens=3),
+}
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_decode_graphs_with_engine_features(tiny_model_dir, reference_tokens, feature):
+    """The graphs' decode steps between chunked prefills, after preemptions (recomputed prompts)
+    and around speculative steps (which run eagerly): the reference's tokens all the same."""
+    llm = _engine(tiny_model_dir, "triton", enforce_eager=False, **FEATURES[feature])
+    runner = llm.engine.runner
+    if runner.decode_graphs is None:
+        runner.capture_decode_graphs(llm.engine.max_model_len, 6, capture=ON_GPU)
+    replayed = []
+    original = runner.decode_graphs.run
+
+    def counting_run(*args):
+        logits = original(*args)
+        replayed.append(logits is not None)
+        return logits
+
+    runner.decode_graphs.run = counting_run
+    assert _greedy(llm) == reference_tokens
+    assert any(replayed)  # the graphs took part
+    if feature == "preemption":
+        assert llm.engine.scheduler.num_preemptions > 0
 
 
 def test_padding_rows_write_no_kv(tiny_model_dir):
