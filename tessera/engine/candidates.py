@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tessera import kernels
+
 # top-p compares float32 cumulative sums with p; a prefix whose mass is within this of p counts
 # as reaching p, so rounding in the sum cannot pull one extra token into the nucleus.
 TOP_P_TOLERANCE = 1e-6
@@ -182,6 +184,9 @@ def head_topk(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, 
     if width * _TOPK_CHUNK * 4 > vocab:
         values, ids = x.topk(width, dim=-1, sorted=False)
         return values, ids, values.amin(-1)
+    if x.device.type == "cpu" and x.dtype == torch.float32 and kernels.available():
+        # The same contract in one native pass (contiguous chunks; csrc/head_topk.cpp).
+        return tuple(kernels.ops().head_topk(x, width))
     num_chunks = -(-vocab // _TOPK_CHUNK)
     if num_chunks * _TOPK_CHUNK != vocab:
         x = torch.nn.functional.pad(x, (0, num_chunks * _TOPK_CHUNK - vocab), value=float("-inf"))
