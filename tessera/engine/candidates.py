@@ -185,7 +185,7 @@ def head_topk(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, 
         values, ids = x.topk(width, dim=-1, sorted=False)
         return values, ids, values.amin(-1)
     if x.device.type == "cpu" and x.dtype == torch.float32 and kernels.available():
-        # The same contract in one native pass (contiguous chunks; csrc/head_topk.cpp).
+        # The same contract in one native pass (contiguous chunks; tessera/kernels/csrc/sampling.cpp).
         return tuple(kernels.ops().head_topk(x, width))
     num_chunks = -(-vocab // _TOPK_CHUNK)
     if num_chunks * _TOPK_CHUNK != vocab:

@@ -3,7 +3,7 @@ fused elementwise ops of a layer (residual add + RMSNorm, rotary, SiLU x up).
 
 `available()` builds `csrc/invariant_kernels.cpp`, `csrc/paged_attention.cpp`,
 `csrc/fused_ops.cpp`, `csrc/decoder_stack.cpp` (a llama decoder stack in one call) and
-`csrc/head_topk.cpp` (the sampler's head of a logits row) through `tessera.native` (cached per CPU and torch version) and registers the ops under `torch.ops.tessera_inv`. Everything here has a
+`csrc/sampling.cpp` (the sampler's head of a row and its temperature-only draw) through `tessera.native` (cached per CPU and torch version) and registers the ops under `torch.ops.tessera_inv`. Everything here has a
 pure-torch fallback; callers ask `available()` first.
 """
 
@@ -17,7 +17,7 @@ import torch
 from tessera.native import load_extension
 
 _SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in (
-    "invariant_kernels.cpp", "paged_attention.cpp", "fused_ops.cpp", "decoder_stack.cpp", "head_topk.cpp"))
+    "invariant_kernels.cpp", "paged_attention.cpp", "fused_ops.cpp", "decoder_stack.cpp", "sampling.cpp"))
 
 
 @functools.cache
