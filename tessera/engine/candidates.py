@@ -80,6 +80,12 @@ def _row_normalizers(logits: torch.Tensor, temperature: torch.Tensor,
     if bool(rows.any()):
         picked = torch.nonzero(rows).flatten()
         every = picked.numel() == logits.shape[0]
+        if logits.device.type == "cpu" and logits.dtype == torch.float32 and kernels.fused(logits):
+            # The same (max, sum) in one native pass per row, the exps summed in float64
+            # (tessera/kernels/csrc/sampling.cpp: each term within 3e-7 of its float64 exp).
+            mx[picked], total[picked] = kernels.ops().softmax_normalizers(logits if every else logits[picked],
+                                                                          temperature[picked])
+            return mx, total
         scaled = (logits if every else logits[picked]) / temperature[picked, None]
         top = scaled.amax(-1, keepdim=True)  # exact: the max of the float32 values
         mx[picked] = top.squeeze(1).double()

@@ -72,3 +72,17 @@ def test_sampler_uses_the_native_draw_for_temperature_only_rows(monkeypatch):
     seeded = [torch.Generator().manual_seed(i) for i in range(n)]
     sampler.sample(x, [SamplingParams(temperature=0.8, seed=1)] * n, generators=seeded, **common)
     assert calls == [n]
+
+
+def test_native_exp_is_within_3e_7_of_float64():
+    """softmax_normalizers of rows [0, x]: the sum is 1 + exp(x), so the native exp of each x in
+    [-15, 0] shows through; the docs promise each term within 3e-7 (relative) of float64's."""
+    xs = torch.linspace(-15, 0, 30001)
+    rows = torch.stack([torch.zeros(len(xs)), xs], 1)
+    mx, total = kernels.ops().softmax_normalizers(rows, torch.ones(len(xs)))
+    assert bool((mx == 0).all())
+    want = xs.double().exp()
+    assert float(((total - 1.0 - want).abs() / want).max()) < 3e-7
+    # A masked token weighs nothing.
+    _, masked = kernels.ops().softmax_normalizers(torch.tensor([[0.0, float("-inf")]]), torch.ones(1))
+    assert float(masked[0]) == 1.0

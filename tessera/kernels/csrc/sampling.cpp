@@ -3,6 +3,8 @@
 //   * head_topk:      the head of each row for top-k / top-p (tessera.engine.candidates.head_topk)
 //   * sample_softmax: one token per row from softmax(logits / temperature) by the inverse CDF of a
 //                     given uniform (temperature-only rows: the API's default sampling)
+//   * softmax_normalizers: each row's max and sum of exps, what a top-p-only nucleus is
+//                     measured against (tessera.engine.candidates._row_normalizers)
 // Rows are independent, so a row's result never depends on its batch.
 //
 // head_topk keeps tessera.engine.candidates.head_topk's contract: at least `width` entries per
@@ -195,6 +197,50 @@ at::Tensor sample_softmax(const at::Tensor& logits, const at::Tensor& temperatur
   return out;
 }
 
+// softmax_normalizers: per row the max of x / t and the sum of exp(x / t - max), as
+// tessera.engine.candidates._row_normalizers defines them (float32 quotients, as torch's
+// division rounds them; the max of the rounded quotients), the exps summed in float64: each
+// term within 3e-7 of its float64 exp, so the sum is too (the torch version's bound is 5e-7).
+std::tuple<at::Tensor, at::Tensor> softmax_normalizers(const at::Tensor& logits, const at::Tensor& temperature) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "softmax_normalizers: logits must be 2-D float32");
+  const at::Tensor x = logits.contiguous();
+  const at::Tensor t = temperature.to(at::kFloat).contiguous();
+  const int64_t rows = x.size(0), vocab = x.size(1);
+  TORCH_CHECK(t.numel() == rows, "softmax_normalizers: one temperature per row");
+  auto maxima = at::empty({rows}, x.options().dtype(at::kDouble));
+  auto sums = at::empty({rows}, x.options().dtype(at::kDouble));
+  const float* xp = x.data_ptr<float>();
+  const float* tp = t.data_ptr<float>();
+  double* mp = maxima.data_ptr<double>();
+  double* sp = sums.data_ptr<double>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * vocab;
+      const __m512 vt = _mm512_set1_ps(tp[r]);
+      __m512 vm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t i = 0; i < vocab; i += 16) {
+        const int64_t left = vocab - i;
+        const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+        vm = _mm512_mask_max_ps(vm, mask, vm, _mm512_maskz_loadu_ps(mask, row + i));
+      }
+      const float top = _mm512_reduce_max_ps(vm) / tp[r];  // = the max of the quotients: division is monotone
+      const __m512 vtop = _mm512_set1_ps(top);
+      __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+      for (int64_t i = 0; i < vocab; i += 16) {
+        const int64_t left = vocab - i;
+        const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+        const __m512 q = _mm512_div_ps(_mm512_maskz_loadu_ps(mask, row + i), vt);
+        const __m512 w = _mm512_maskz_mov_ps(mask, exp_nonpositive(_mm512_sub_ps(q, vtop)));
+        lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(w)));
+        hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1))));
+      }
+      mp[r] = top;
+      sp[r] = _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
+    }
+  });
+  return {maxima, sums};
+}
+
 #pragma GCC pop_options
 
 }  // namespace
@@ -202,9 +248,11 @@ at::Tensor sample_softmax(const at::Tensor& logits, const at::Tensor& temperatur
 TORCH_LIBRARY_FRAGMENT(tessera_inv, m) {
   m.def("head_topk(Tensor x, int width) -> (Tensor, Tensor, Tensor)");
   m.def("sample_softmax(Tensor logits, Tensor temperature, Tensor uniforms) -> Tensor");
+  m.def("softmax_normalizers(Tensor logits, Tensor temperature) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tessera_inv, CPU, m) {
   m.impl("head_topk", &head_topk);
   m.impl("sample_softmax", &sample_softmax);
+  m.impl("softmax_normalizers", &softmax_normalizers);
 }
