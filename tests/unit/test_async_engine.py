@@ -214,6 +214,10 @@ def test_duplicate_request_id_is_refused(engine):
 
 
 def test_explicit_abort_ends_the_stream(engine, fake):
+    # A millisecond a step: without it the engine thread could run all 10,000 steps (and finish
+    # the request) while a loaded machine kept the event loop from reading the first output.
+    fake.step_delay = 0.001
+
     async def main():
         stream = await engine.add_request("x", [1], params(10_000))
         first = await stream.__anext__()
