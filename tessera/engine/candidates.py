@@ -124,11 +124,8 @@ def _kept_within(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     the answer lies inside the provably exact head of the fetch. norm: _row_normalizers' (max,
     sum) of the top-p-only rows."""
     rows, vocab = logits.shape
-    values, ids, bound = head_topk(logits, width)
-    width = values.shape[1]
-    scaled = values / temperature[:, None]
-    order = _value_desc_id_asc(scaled, ids)
-    scaled, ids = scaled.gather(1, order), ids.gather(1, order)
+    scaled, ids, bound = head_in_order(logits, temperature, width)
+    width = scaled.shape[1]
     positions = torch.arange(width, device=logits.device)
     if bound is not None:
         # Tokens left out of the fetch are <= bound; those strictly above it are the true head.
@@ -169,6 +166,26 @@ def _kept_within(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     return exact, KeptPrefix(ids, weights, num_kept)
 
 
+def head_in_order(logits: torch.Tensor, temperature: torch.Tensor,
+                  width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """head_topk(logits, width)'s entries divided by each row's temperature, in (quotient
+    descending, id ascending) order: (scaled, ids, bound). On CPU the native pass returns them
+    so; elsewhere one int64 sort orders them (_value_desc_id_asc)."""
+    if _native_head(logits, width):
+        return tuple(kernels.ops().head_topk(logits, width, temperature))
+    values, ids, bound = head_topk(logits, width)
+    scaled = values / temperature[:, None]
+    order = _value_desc_id_asc(scaled, ids)
+    return scaled.gather(1, order), ids.gather(1, order), bound
+
+
+def _native_head(x: torch.Tensor, width: int) -> bool:
+    """Whether head_topk takes the native pass for this fetch (the torch routes stay for a whole
+    row, a fetch too wide for chunking, and tensors off the CPU)."""
+    return (width * _TOPK_CHUNK * 4 <= x.shape[1] and x.device.type == "cpu" and x.dtype == torch.float32
+            and kernels.available())
+
+
 # head_topk's chunk count per row is vocab / _TOPK_CHUNK.
 _TOPK_CHUNK = 64
 
@@ -190,7 +207,7 @@ def head_topk(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, 
     if width * _TOPK_CHUNK * 4 > vocab:
         values, ids = x.topk(width, dim=-1, sorted=False)
         return values, ids, values.amin(-1)
-    if x.device.type == "cpu" and x.dtype == torch.float32 and kernels.available():
+    if _native_head(x, width):
         # The same contract in one native pass (contiguous chunks; tessera/kernels/csrc/sampling.cpp).
         return tuple(kernels.ops().head_topk(x, width))
     num_chunks = -(-vocab // _TOPK_CHUNK)

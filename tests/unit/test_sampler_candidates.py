@@ -171,3 +171,23 @@ def test_a_top_p_only_row_keeps_the_same_weights_in_any_batch():
         assert int(batch.num_kept[-1]) == n
         assert batch.token_ids[-1, :n].tolist() == alone.token_ids[0, :n].tolist()
         assert torch.equal(batch.weights[-1, :n], alone.weights[0, :n])
+
+
+@pytest.mark.parametrize("vocab", [4096, 49152, 49153])
+def test_head_in_order_is_the_head_sorted_by_quotient_then_id(vocab):
+    from tessera.engine.candidates import head_in_order
+
+    for seed in range(3):  # random, bf16-rounded (ties) and heavily tied rows
+        x = random_rows(seed * 5 + vocab, 4, vocab)
+        temperature = torch.tensor([1.0, 0.7, 1.3, 0.05])
+        for width in (1, 17, 66):
+            scaled, ids, bound = head_in_order(x, temperature, width)
+            values, want_ids, want_bound = head_topk(x, width)
+            assert torch.equal(bound, want_bound)
+            for r in range(4):
+                kept = torch.isfinite(values[r])
+                quotients = (values[r][kept] / temperature[r]).tolist()  # torch's float32 division
+                want = sorted(zip(quotients, want_ids[r][kept].tolist(), strict=True), key=lambda e: (-e[0], e[1]))
+                n = len(want)
+                assert list(zip(scaled[r, :n].tolist(), ids[r, :n].tolist(), strict=True)) == want
+                assert bool((scaled[r, n:] == float("-inf")).all())
