@@ -124,6 +124,10 @@ def _kept_within(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     the answer lies inside the provably exact head of the fetch. norm: _row_normalizers' (max,
     sum) of the top-p-only rows."""
     rows, vocab = logits.shape
+    if _native_kept(logits, width):
+        # The whole of this function, row by row in the native head pass (sampling.cpp: kept_head).
+        exact, ids, weights, num_kept = kernels.ops().kept_head(logits, temperature, top_k, top_p, min_p, width, *norm)
+        return exact, KeptPrefix(ids, weights, num_kept)
     scaled, ids, bound = head_in_order(logits, temperature, width)
     width = scaled.shape[1]
     positions = torch.arange(width, device=logits.device)
@@ -184,6 +188,12 @@ def _native_head(x: torch.Tensor, width: int) -> bool:
     row, a fetch too wide for chunking, and tensors off the CPU)."""
     return (width * _TOPK_CHUNK * 4 <= x.shape[1] and x.device.type == "cpu" and x.dtype == torch.float32
             and kernels.available())
+
+
+def _native_kept(x: torch.Tensor, width: int) -> bool:
+    """Whether _kept_within runs natively (kept_head): wherever its head does (tests compare the
+    two over the same head by turning this off)."""
+    return _native_head(x, width)
 
 
 # head_topk's chunk count per row is vocab / _TOPK_CHUNK.

@@ -191,3 +191,32 @@ def test_head_in_order_is_the_head_sorted_by_quotient_then_id(vocab):
                 n = len(want)
                 assert list(zip(scaled[r, :n].tolist(), ids[r, :n].tolist(), strict=True)) == want
                 assert bool((scaled[r, n:] == float("-inf")).all())
+
+
+@pytest.mark.parametrize("vocab", [4096, 49152])
+def test_native_kept_head_equals_the_torch_ops(vocab, monkeypatch):
+    """The native _kept_within (kept_head) against the torch ops it replaces, on random, bf16 and
+    tied rows with top-k, top-k + top-p, top-p alone and min-p: the same exactness verdict, kept
+    tokens and count, and weights to float32 exp rounding."""
+    import tessera.engine.candidates as candidates
+
+    if not candidates._native_head(torch.zeros(1, vocab), 17):
+        pytest.skip("the native sampling ops are not built here")
+    for seed in range(3):
+        x = random_rows(seed * 11 + vocab, 6, vocab)
+        temperature = torch.tensor([1.0, 0.7, 1.3, 0.9, 0.5, 1.1])
+        top_k = torch.tensor([1, 7, 50, vocab, vocab, 20])
+        top_p = torch.tensor([1.0, 0.9, 0.5, 0.3, 0.97, 1.0])
+        min_p = torch.tensor([0.0, 0.05, 0.0, 0.0, 0.01, 0.2])
+        norm = candidates._row_normalizers(x, temperature, (top_k >= vocab) & (top_p < 1.0))
+        for width in (17, 66):
+            exact, got = candidates._kept_within(x, temperature, top_k, top_p, min_p, width, norm)
+            monkeypatch.setattr(candidates, "_native_kept", lambda *args: False)  # torch ops, same head
+            want_exact, want = candidates._kept_within(x, temperature, top_k, top_p, min_p, width, norm)
+            monkeypatch.undo()
+            assert torch.equal(exact, want_exact)
+            assert torch.equal(got.num_kept, want.num_kept)
+            for r in range(6):
+                n = int(got.num_kept[r])
+                assert got.token_ids[r, :n].tolist() == want.token_ids[r, :n].tolist()
+                torch.testing.assert_close(got.weights[r, :n], want.weights[r, :n], rtol=1e-6, atol=0)

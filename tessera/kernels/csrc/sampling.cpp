@@ -1,6 +1,7 @@
 // The sampler's native ops (CPU, float32 logits), each one pass over a row instead of a dozen
 // torch ops:
 //   * head_topk:      the head of each row for top-k / top-p (tessera.engine.candidates.head_topk)
+//   * kept_head:      the kept prefix of that head (tessera.engine.candidates._kept_within)
 //   * sample_softmax: one token per row from softmax(logits / temperature) by the inverse CDF of a
 //                     given uniform (temperature-only rows: the API's default sampling)
 //   * softmax_normalizers: each row's max and sum of exps, what a top-p-only nucleus is
@@ -116,6 +117,68 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> head_topk(const at::Tensor& x, in
     std::copy(ids[r].begin(), ids[r].end(), oi + r * width_out);
   }
   return {out_values, out_ids, bound};
+}
+
+// kept_head: tessera.engine.candidates._kept_within for a native head, row by row: the head in
+// (quotient, id) order (head_topk with the temperatures), then top-k, top-p (against the top-k
+// mass, or for a top-p-only row against the whole row's (max, sum) given in norm_max/norm_sum),
+// min-p and the exactness test, with the same arithmetic as the torch ops it replaces: float32
+// exps of (s - s[0]) widened to float64 (float64 exps over the whole row's normalizer for top-p-
+// only rows), a sequential float64 cumulative sum, top_p - 1e-6 rounded to float32. The head is
+// padded to the batch's widest, as the torch version pads it (padding: weight 0, id 0).
+// Returns (exact [R] bool, ids [R, W] long, weights [R, W] float64, num_kept [R] long).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kept_head(
+    const at::Tensor& x, const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
+    const at::Tensor& min_p, int64_t width, const at::Tensor& norm_max, const at::Tensor& norm_sum) {
+  auto [scaled, ids, bound] = head_topk(x, width, temperature);
+  const int64_t rows = scaled.size(0), w = scaled.size(1), vocab = x.size(1);
+  const at::Tensor t = temperature.to(at::kFloat).contiguous(), k = top_k.to(at::kLong).contiguous();
+  const at::Tensor p = top_p.to(at::kFloat).contiguous(), mp = min_p.to(at::kFloat).contiguous();
+  const at::Tensor nmax = norm_max.to(at::kDouble).contiguous(), nsum = norm_sum.to(at::kDouble).contiguous();
+  auto weights = at::empty({rows, w}, scaled.options().dtype(at::kDouble));
+  auto num_kept = at::empty({rows}, ids.options());
+  auto exact = at::empty({rows}, ids.options().dtype(at::kBool));
+  const float *sp = scaled.data_ptr<float>(), *bp = bound.data_ptr<float>(), *tp = t.data_ptr<float>();
+  const float *pp = p.data_ptr<float>(), *mpp = mp.data_ptr<float>();
+  const int64_t* kp = k.data_ptr<int64_t>();
+  const double *nmp = nmax.data_ptr<double>(), *nsp = nsum.data_ptr<double>();
+  double* wp = weights.data_ptr<double>();
+  int64_t* np = num_kept.data_ptr<int64_t>();
+  bool* ep = exact.data_ptr<bool>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<double> cum(w);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* s = sp + r * w;
+      double* wt = wp + r * w;
+      const int64_t top = kp[r];
+      const float topp = pp[r];
+      const bool limited = top < vocab, top_p_only = !limited && topp < 1.0f, all_in = topp >= 1.0f;
+      const int64_t num_k = std::min<int64_t>(top, w);
+      const float edge = bp[r] / tp[r];  // entries strictly above it are the provably exact head
+      int64_t exact_len = 0;
+      for (int64_t j = 0; j < w; ++j) exact_len += s[j] > edge;
+      for (int64_t j = 0; j < w; ++j)
+        wt[j] = top_p_only ? std::exp(static_cast<double>(s[j]) - nmp[r]) / nsp[r]
+                           : static_cast<double>(std::exp(s[j] - s[0]));
+      double run = 0.0;
+      for (int64_t j = 0; j < w; ++j) cum[j] = run += wt[j];
+      const double mass = top_p_only ? 1.0 : cum[std::max<int64_t>(num_k - 1, 0)];
+      const double threshold = static_cast<double>(topp - 1e-6f);
+      const double floor = static_cast<double>(mpp[r]) * wt[0];
+      int64_t kept = 0, nucleus = 0;
+      for (int64_t j = 0; j < w; ++j) {
+        const bool in = j == 0 || all_in || (cum[j] - wt[j]) / mass < threshold;
+        nucleus += in;
+        kept += in && j < num_k && wt[j] >= floor;  // a prefix: every test is monotone along the row
+      }
+      kept = std::max<int64_t>(kept, 1);
+      np[r] = kept;
+      ep[r] = exact_len >= vocab || (limited && top <= exact_len) ||
+              (!limited && (all_in || (topp < 1.0f && nucleus < exact_len)));
+      for (int64_t j = kept; j < w; ++j) wt[j] = 0.0;
+    }
+  });
+  return {exact, ids, weights, num_kept};
 }
 
 // sample_softmax: AVX-512 whatever -march=native says (the library also builds on Zen 3, where
@@ -268,12 +331,15 @@ std::tuple<at::Tensor, at::Tensor> softmax_normalizers(const at::Tensor& logits,
 
 TORCH_LIBRARY_FRAGMENT(tessera_inv, m) {
   m.def("head_topk(Tensor x, int width, Tensor? temperature=None) -> (Tensor, Tensor, Tensor)");
+  m.def("kept_head(Tensor x, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, int width, "
+        "Tensor norm_max, Tensor norm_sum) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("sample_softmax(Tensor logits, Tensor temperature, Tensor uniforms) -> Tensor");
   m.def("softmax_normalizers(Tensor logits, Tensor temperature) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tessera_inv, CPU, m) {
   m.impl("head_topk", &head_topk);
+  m.impl("kept_head", &kept_head);
   m.impl("sample_softmax", &sample_softmax);
   m.impl("softmax_normalizers", &softmax_normalizers);
 }
