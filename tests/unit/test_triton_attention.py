@@ -19,13 +19,9 @@ import sys
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
-    # Triton 3.6's interpreter cannot take a loaded scalar as a loop bound under numpy 2.
-    pytest.importorskip("triton", minversion="3.7")
-else:
-    pytest.importorskip("triton")
+from tests.triton_mode import gpu_or_interpreter
+
+ON_GPU = gpu_or_interpreter()  # before triton is first imported
 
 from tessera.attention.backend import get_attention_backend  # noqa: E402
 from tessera.attention.metadata import AttentionMetadata, PrefillSpan, slots_for_positions  # noqa: E402

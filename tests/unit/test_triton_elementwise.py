@@ -9,17 +9,12 @@ are no power of two, a strided view like the fused qkv output's).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
-    pytest.importorskip("triton", minversion="3.7")
-else:
-    pytest.importorskip("triton")
+from tests.triton_mode import gpu_or_interpreter
+
+ON_GPU = gpu_or_interpreter()  # before triton is first imported
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
