@@ -80,7 +80,7 @@ def _row_normalizers(logits: torch.Tensor, temperature: torch.Tensor,
     if bool(rows.any()):
         picked = torch.nonzero(rows).flatten()
         every = picked.numel() == logits.shape[0]
-        if logits.device.type == "cpu" and logits.dtype == torch.float32 and kernels.fused(logits):
+        if native_softmax_ops(logits):
             # The same (max, sum) in one native pass per row, the exps summed in float64
             # (tessera/kernels/csrc/sampling.cpp: each term within 3e-7 of its float64 exp).
             mx[picked], total[picked] = kernels.ops().softmax_normalizers(logits if every else logits[picked],
@@ -188,6 +188,13 @@ def _native_head(x: torch.Tensor, width: int) -> bool:
     row, a fetch too wide for chunking, and tensors off the CPU)."""
     return (width * _TOPK_CHUNK * 4 <= x.shape[1] and x.device.type == "cpu" and x.dtype == torch.float32
             and kernels.available())
+
+
+def native_softmax_ops(logits: torch.Tensor) -> bool:
+    """Whether the native softmax ops (sample_softmax, softmax_normalizers in
+    tessera/kernels/csrc/sampling.cpp) can take these logits: CPU float32, the native kernels
+    built, AVX-512 (the same CPUs as the fused ops)."""
+    return logits.device.type == "cpu" and logits.dtype == torch.float32 and kernels.fused(logits)
 
 
 def _native_kept(x: torch.Tensor, width: int) -> bool:

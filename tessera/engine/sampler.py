@@ -40,6 +40,7 @@ from tessera.engine.candidates import (
     draw_from_prefix,
     first_argmax,
     kept_prefix,
+    native_softmax_ops,
     race_over_prefix,
 )
 from tessera.outputs import Logprob, TokenLogprobs
@@ -299,7 +300,7 @@ class Sampler:
         """Rows with neither top-k nor top-p: the whole vocabulary (min-p, if any, masks it)."""
         device, (num_rows, vocab) = logits.device, logits.shape
         if (all(gen is None for gen in generators) and all(p.min_p == 0.0 for p in params)
-                and native_softmax_draw(logits)):
+                and native_softmax_ops(logits)):
             # The same inverse CDF of one shared uniform per row, in one native pass per row
             # instead of a softmax and a chunked cumsum over [rows, vocab] (tessera/kernels/csrc/sampling.cpp).
             return kernels.ops().sample_softmax(logits, temperature, self._uniforms(num_rows, device))
@@ -331,12 +332,6 @@ class Sampler:
         gen = self.generator
         draw_device = gen.device if gen is not None else device
         return torch.rand(n, generator=gen, dtype=torch.float64, device=draw_device).to(device)
-
-
-def native_softmax_draw(logits: torch.Tensor) -> bool:
-    """Whether kernels.ops().sample_softmax can draw from these logits: CPU float32, the native
-    kernels built, AVX-512 (the same CPUs as the fused ops)."""
-    return logits.device.type == "cpu" and logits.dtype == torch.float32 and kernels.fused(logits)
 
 
 def _rows_of(prefix: KeptPrefix, rows: torch.Tensor) -> KeptPrefix:

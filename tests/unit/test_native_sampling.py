@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from tessera import kernels
-from tessera.engine.sampler import Sampler, native_softmax_draw
+from tessera.engine.candidates import native_softmax_ops
+from tessera.engine.sampler import Sampler
 from tessera.sampling import SamplingParams
 
-pytestmark = pytest.mark.skipif(not native_softmax_draw(torch.zeros(1, 1)),
+pytestmark = pytest.mark.skipif(not native_softmax_ops(torch.zeros(1, 1)),
                                 reason="the native sampling ops need the C++ kernels and AVX-512")
 
 

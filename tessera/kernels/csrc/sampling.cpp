@@ -208,13 +208,25 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// 16 lanes at a time, a mask for the tail.
+inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1); }
+
+// The largest of row[0 .. n) (exact: a maximum rounds nothing).
+inline float row_max(const float* row, int64_t n) {
+  __m512 vm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = tail_mask(n - i);
+    vm = _mm512_mask_max_ps(vm, mask, vm, _mm512_maskz_loadu_ps(mask, row + i));
+  }
+  return _mm512_reduce_max_ps(vm);
+}
+
 // The row's weights exp((x - max) / t) over [lo, hi), 16 at a time (a masked tail).
 template <typename F>
 inline void for_each_weight(const float* row, int64_t lo, int64_t hi, float mx, float inv_t, F&& f) {
   const __m512 vmax = _mm512_set1_ps(mx), vinv = _mm512_set1_ps(inv_t);
   for (int64_t i = lo; i < hi; i += 16) {
-    const int64_t left = hi - i;
-    const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    const __mmask16 mask = tail_mask(hi - i);
     const __m512 x = _mm512_maskz_loadu_ps(mask, row + i);
     const __m512 w = _mm512_maskz_mov_ps(mask, exp_nonpositive(_mm512_mul_ps(_mm512_sub_ps(x, vmax), vinv)));
     f(i, w);
@@ -225,11 +237,7 @@ inline void for_each_weight(const float* row, int64_t lo, int64_t hi, float mx, 
 // one of weight > 0. Chunk sums first (float32 inside a chunk, float64 across), then the chunk
 // that holds the target is summed again entry by entry.
 int64_t draw_row(const float* row, int64_t vocab, float temperature, double u, std::vector<double>& sums) {
-  const int64_t full = vocab / 16 * 16;
-  __m512 vm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t i = 0; i < full; i += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(row + i));
-  float mx = _mm512_reduce_max_ps(vm);
-  for (int64_t i = full; i < vocab; ++i) mx = row[i] > mx ? row[i] : mx;
+  const float mx = row_max(row, vocab);
   const float inv_t = 1.0f / temperature;
   const int64_t chunks = (vocab + kSumChunk - 1) / kSumChunk;
   sums.assign(chunks, 0.0);
@@ -301,18 +309,11 @@ std::tuple<at::Tensor, at::Tensor> softmax_normalizers(const at::Tensor& logits,
     for (int64_t r = begin; r < end; ++r) {
       const float* row = xp + r * vocab;
       const __m512 vt = _mm512_set1_ps(tp[r]);
-      __m512 vm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      for (int64_t i = 0; i < vocab; i += 16) {
-        const int64_t left = vocab - i;
-        const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-        vm = _mm512_mask_max_ps(vm, mask, vm, _mm512_maskz_loadu_ps(mask, row + i));
-      }
-      const float top = _mm512_reduce_max_ps(vm) / tp[r];  // = the max of the quotients: division is monotone
+      const float top = row_max(row, vocab) / tp[r];  // = the max of the quotients: division is monotone
       const __m512 vtop = _mm512_set1_ps(top);
       __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
       for (int64_t i = 0; i < vocab; i += 16) {
-        const int64_t left = vocab - i;
-        const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+        const __mmask16 mask = tail_mask(vocab - i);
         const __m512 q = _mm512_div_ps(_mm512_maskz_loadu_ps(mask, row + i), vt);
         const __m512 w = _mm512_maskz_mov_ps(mask, exp_nonpositive(_mm512_sub_ps(q, vtop)));
         lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(w)));
