@@ -23,7 +23,12 @@ is single-threaded, so changing it there is safe), and it changes three knobs:
   its chunks from the TBT objective; it halves the budget at most per cut and waits for fresh
   samples before the next. Given step costs measured before serving (`step_costs`: the
   advisor's, or `tessera serve`'s cached probe), the modelled cap is in place before the first
-  step, so the first chunk next to a decode already fits. All of this needs more than one step of evidence because the
+  step, so the first chunk next to a decode already fits. Every cut bounds only steps that hold
+  a decode: a step in which nothing decodes keeps the configured budget
+  (`Scheduler.prefill_only_budget`), so a burst into an idle engine is prefilled in as few steps
+  as with the defaults (session 15: the cut 512 -> 256 alone cost bursty 2-5% of goodput and
+  raised its ITL p90 from 17 to 54 ms, each burst's second half of prefill holding the first
+  half's decodes). All of this needs more than one step of evidence because the
   machine is noisy: on a shared VM one step can be 1.5-2x slow for reasons the budget has
   nothing to do with (session 7, docs/advisor.md: one first estimate cut bursty 512 -> 128,
   one step 0.7% over the objective cut summarization 256 -> 224 -> 112);
@@ -169,6 +174,7 @@ class Autopilot:
         self.config = config
         self.prefix_caching = enable_prefix_caching
         self.budget = max_num_batched_tokens
+        self.configured_budget = max_num_batched_tokens  # kept for steps with no decode (see apply)
         self.max_num_seqs = max_num_seqs
         self.spec_method = speculative_method
         self.spec_k = num_speculative_tokens
@@ -528,6 +534,10 @@ class Autopilot:
                 engine.kv.enable_prefix_caching = bool(c.new)
             elif c.knob == "max_num_batched_tokens":
                 engine.scheduler.max_num_batched_tokens = int(c.new)
+                # The budget is cut for the decodes a chunk delays; a step with none keeps the
+                # configured budget (Scheduler.prefill_only_budget): a burst into an idle engine is
+                # prefilled as the defaults would, not over more steps that then hold its decodes.
+                engine.scheduler.prefill_only_budget = self.configured_budget
                 # Every running sequence must still decode every step: the batch fits the budget.
                 engine.scheduler.max_num_seqs = min(self.max_num_seqs, int(c.new))
             elif c.knob == "speculative_method":

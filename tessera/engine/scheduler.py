@@ -94,6 +94,11 @@ class Scheduler:
         # decodes every step, none waits for the others' turn.
         self.max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
         self.max_num_batched_tokens = max_num_batched_tokens
+        # The budget of a step in which no running sequence decodes (None: max_num_batched_tokens).
+        # A budget cut to keep chunks short next to decodes (the autopilot's) protects nobody in
+        # such a step: the first step of a burst into an idle engine would only be split into
+        # more steps, and each later step's decodes would then wait next to the rest of the burst.
+        self.prefill_only_budget: int | None = None
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the newest is last
@@ -184,7 +189,7 @@ class Scheduler:
         to verify this step. Granted last, from the budget and free blocks left over: it never
         preempts anyone nor delays an admission (see _grant_lookahead).
         """
-        budget = self.max_num_batched_tokens
+        budget = self._step_budget()
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         self._swap_out, self._swap_in = [], []
@@ -218,6 +223,16 @@ class Scheduler:
             swap_out=list(last_copy.values()),
             swap_in=self._swap_in,
         )
+
+    def _step_budget(self) -> int:
+        """max_num_batched_tokens, or prefill_only_budget when no running sequence has only its
+        last token left (one whose next token is a decode: the chunks would delay it)."""
+        idle = self.prefill_only_budget
+        if idle is None or idle <= self.max_num_batched_tokens:
+            return self.max_num_batched_tokens
+        if any(s.num_uncomputed_tokens <= 1 for s in self.running if s.status is SequenceStatus.RUNNING):
+            return self.max_num_batched_tokens
+        return idle
 
     def _collect_block_copies(self) -> None:
         """Append the demotions and promotions the block manager decided so far, keeping the

@@ -271,9 +271,13 @@ def test_the_modelled_cap_reaches_the_engine_before_any_step(tiny_model_dir):
     ap = Autopilot.for_engine(engine, AutopilotConfig(slo_itl_ms=50, step_costs=StepCosts(0.010, 0.001, 0.0002)))
     assert engine.scheduler.max_num_batched_tokens == ap.budget == 112
     assert engine.scheduler.max_num_seqs == 112  # every running sequence still decodes each step
-    engine.add_request("r", list(range(3, 203)), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.add_request("r", list(range(3, 203)), params)
+    engine.step()  # nothing decodes yet, so no chunk can delay a token: the configured 512 tokens
+    assert engine.stats().last_step_num_tokens == 200
+    engine.add_request("s", list(range(203, 3, -1)), params)  # nothing shared with r
     engine.step()
-    assert engine.stats().last_step_num_tokens == 112  # the first chunk of the 200-token prompt
+    assert engine.stats().last_step_num_tokens == 112  # r's decode and the first 111 tokens of s
 
 
 def test_budget_doubles_for_ttft_only_while_itl_has_room():

@@ -43,10 +43,11 @@ class Sim:
 
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int = 1024, enable_prefix_caching: bool = True, finish_prob: float = 0.0,
-                 seed: int = 0) -> None:
+                 seed: int = 0, prefill_only_budget: int | None = None) -> None:
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.sched = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                max_model_len=max_model_len)
+        self.sched.prefill_only_budget = prefill_only_budget
         self.slots: dict[tuple[int, int], tuple[int, ...]] = {}
         self.live: list[Sequence] = []
         self.finished: list[Sequence] = []
@@ -77,7 +78,8 @@ class Sim:
         decoding = [s for s in self.sched.running if s.num_uncomputed_tokens == 1]
         out = self.sched.schedule()
         self.outputs.append(out)
-        self._check_batch(out)
+        self._check_batch(out, budget=self.sched.max_num_batched_tokens if decoding
+                          else max(self.sched.max_num_batched_tokens, self.sched.prefill_only_budget or 0))
         served = {id(s.seq) for s in out.scheduled} | {id(s) for s in out.preempted}
         assert all(id(s) in served for s in decoding), "a running decode was stalled"
         for item in out.scheduled:
@@ -96,9 +98,9 @@ class Sim:
             self.step()
         raise AssertionError("the workload did not drain: the scheduler hangs")
 
-    def _check_batch(self, out: SchedulerOutput) -> None:
+    def _check_batch(self, out: SchedulerOutput, budget: int) -> None:
         sched = self.sched
-        assert out.num_batched_tokens <= sched.max_num_batched_tokens
+        assert out.num_batched_tokens <= budget
         assert len({id(s.seq) for s in out.scheduled}) == len(out.scheduled)
         assert sched.num_running <= sched.max_num_seqs
         assert all(s.num_new_tokens >= 1 for s in out.scheduled)
@@ -163,6 +165,32 @@ def test_chunked_prefill_splits_a_long_prompt_while_a_decode_runs_every_step():
         chunks.append(next(s.num_new_tokens for s in out.scheduled if s.seq is long))
     assert chunks == [7, 7, 7, 7, 2]
     assert long.num_output_tokens == 1
+
+
+def test_a_burst_into_an_idle_engine_takes_the_prefill_only_budget_until_a_sequence_decodes():
+    sim = Sim(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=8, prefill_only_budget=20)
+    burst = [make_seq([i] * 6, max_tokens=4) for i in range(4)]
+    for seq in burst:
+        sim.add(seq)
+    out = sim.step()  # nobody decodes yet: 20 tokens, three whole prompts and two tokens of the fourth
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(burst[0], 6), (burst[1], 6), (burst[2], 6),
+                                                                (burst[3], 2)]
+    out = sim.step()  # three decodes now: back to 8 tokens, the rest of the fourth prompt in chunks
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(burst[0], 1), (burst[1], 1), (burst[2], 1),
+                                                                (burst[3], 4)]
+    sim.run()
+    sim.assert_drained()
+    assert all(s.output_token_ids == expected_output(s.prompt_token_ids, 4) for s in burst)
+    late = make_seq([9] * 30, max_tokens=2)  # the engine is idle again: the next prompt gets 20 at once
+    sim.add(late)
+    assert [(s.seq, s.num_new_tokens) for s in sim.step().scheduled] == [(late, 20)]
+
+
+def test_a_prefill_only_budget_under_the_step_budget_changes_nothing():
+    sim = Sim(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, prefill_only_budget=4)
+    seq = make_seq([1] * 12, max_tokens=2)
+    sim.add(seq)
+    assert sim.step().num_batched_tokens == 8
 
 
 def test_admission_is_fcfs_and_respects_max_num_seqs_and_the_budget():
@@ -297,12 +325,14 @@ prompts = st.builds(
     prefix_caching=st.booleans(),
     finish_prob=st.sampled_from([0.0, 0.1, 0.3]),
     seed=st.integers(0, 2**16),
+    idle_extra=st.none() | st.integers(0, 24),
 )
 def test_random_workloads_keep_the_invariant_every_step_and_drain(
-    block_size, num_blocks, max_num_seqs, extra_budget, requests, prefix_caching, finish_prob, seed,
+    block_size, num_blocks, max_num_seqs, extra_budget, requests, prefix_caching, finish_prob, seed, idle_extra,
 ):
     sim = Sim(num_blocks, block_size, max_num_seqs, max_num_seqs + extra_budget, max_model_len=40,
-              enable_prefix_caching=prefix_caching, finish_prob=finish_prob, seed=seed)
+              enable_prefix_caching=prefix_caching, finish_prob=finish_prob, seed=seed,
+              prefill_only_budget=None if idle_extra is None else max_num_seqs + extra_budget + idle_extra)
     arrivals: dict[int, list[Sequence]] = {}
     for prompt, max_tokens, arrive_at in requests:
         prompt = prompt[:39]
