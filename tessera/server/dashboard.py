@@ -87,6 +87,9 @@ def engine_settings(engine: Any) -> dict[str, Any]:
     scheduler, kv = getattr(inner, "scheduler", None), getattr(inner, "kv", None)
     if scheduler is not None:
         in_force["max_num_batched_tokens"] = scheduler.max_num_batched_tokens
+        # The budget of a step in which nothing decodes, where it differs (the autopilot's cuts).
+        if (idle := getattr(scheduler, "prefill_only_budget", None)) is not None:
+            in_force["prefill_only_budget"] = idle
         in_force["max_num_seqs"] = scheduler.max_num_seqs
     if kv is not None:
         in_force["enable_prefix_caching"] = kv.enable_prefix_caching

@@ -136,13 +136,15 @@ def test_stats_totals_equal_metrics_and_series_grow(server):
 def test_config_in_force_shows_a_knob_changed_while_serving(server):
     scheduler = server.engine.engine.scheduler
     old = scheduler.max_num_batched_tokens
-    scheduler.max_num_batched_tokens = 256
+    assert "prefill_only_budget" not in httpx.get(server.base_url + "/v1/stats").json()["config"]["in_force"]
+    scheduler.max_num_batched_tokens, scheduler.prefill_only_budget = 256, 1024  # as the autopilot cuts
     try:
         config = httpx.get(server.base_url + "/v1/stats").json()["config"]
     finally:
-        scheduler.max_num_batched_tokens = old
+        scheduler.max_num_batched_tokens, scheduler.prefill_only_budget = old, None
     assert config["configured"]["max_num_batched_tokens"] == 1024
     assert config["in_force"]["max_num_batched_tokens"] == 256
+    assert config["in_force"]["prefill_only_budget"] == 1024
 
 
 def test_stats_need_the_api_key_the_page_does_not(tiny_model_dir):
