@@ -6,8 +6,8 @@ model's 30 layers of KV do not stay in the CPU caches; --layers 1 measures one t
 --context tokens each, prefill of one fresh prompt of each --prefill-lens length. Columns:
 
 - invariant: `InvariantCPUAttention.forward` (the CPU default: cache write + paged kernel, on
-  AMX tiles for bf16 where the CPU has them);
-- avx512: the same kernel held to its AVX-512 arithmetic (`invariant_cpu.AMX = 0`);
+  AMX tiles for bf16 where the CPU has them, else with bf16-pair scores where it has AVX-512 BF16);
+- avx512: the same kernel held to its fp32 AVX-512 arithmetic (`invariant_cpu.AMX = 0`);
 - torch: `TorchCPUAttention.forward` (gathers each context, matmul/SDPA);
 - sdpa: `F.scaled_dot_product_attention` on contiguous, unpaged [1, H, L, d] tensors (causal
   for prefill, one query row per sequence for decode): no cache at all, the floor to compare to.

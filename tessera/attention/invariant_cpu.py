@@ -25,8 +25,10 @@ from tessera.quant.kv import is_quantized, write_quantized
 
 _HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 
-# The kernel's arithmetic: -1 AMX tiles where the CPU has them (bf16 q and cache, head_dim a
-# multiple of 32), else AVX-512; 0 always AVX-512 (tests and benchmarks compare the two).
+# The kernel's arithmetic for bf16 q and cache with head_dim a multiple of 32: -1 the CPU's best
+# (AMX tiles where it has them, else AVX-512 BF16 pair dot products for the scores where it has
+# those, else fp32 AVX-512); 0 always the fp32 AVX-512 one; 1 AMX and 2 the pairs, required
+# (tests and benchmarks compare them). Other dtypes and head_dims take the fp32 AVX-512 one.
 AMX = -1
 
 

@@ -27,17 +27,23 @@ LINEAR_CASES = [(torch.float32, -1),
                 pytest.param(torch.bfloat16, 1, id="bf16-amx", marks=pytest.mark.skipif(
                     not kernels.cpu_has_amx_bf16(), reason="the AMX linear needs a CPU with AMX"))]
 
-# The attention kernel's two arithmetics: AVX-512 everywhere, AMX tiles for bf16 where the CPU has them.
-ARITHMETICS = ["avx512", pytest.param("amx", marks=pytest.mark.skipif(
-    not kernels.cpu_has_amx_bf16(), reason="the AMX attention needs a CPU with AMX"))]
+# The attention kernel's arithmetics: fp32 AVX-512 everywhere; for bf16 AMX tiles, or the scores
+# as AVX-512 BF16 pair dot products, where the CPU has them.
+ARITHMETICS = ["avx512",
+               pytest.param("amx", marks=pytest.mark.skipif(
+                   not kernels.cpu_has_amx_bf16(), reason="the AMX attention needs a CPU with AMX")),
+               pytest.param("bf16pairs", marks=pytest.mark.skipif(
+                   not kernels.cpu_has_avx512_bf16(), reason="the pair arithmetic needs AVX-512 BF16"))]
+_ARITHMETIC_CODE = {"avx512": 0, "amx": 1, "bf16pairs": 2}
 
 
 def _use_arithmetic(monkeypatch, arithmetic, applies):
-    """avx512: the kernel's AVX-512 path. amx: AMX required (the kernel raises if it cannot take
-    it), so the case really runs on tiles; cases it does not cover are skipped."""
-    if arithmetic == "amx" and not applies:
-        pytest.skip("the AMX arithmetic covers bf16 caches with head_dim a multiple of 32")
-    monkeypatch.setattr(invariant_cpu, "AMX", 1 if arithmetic == "amx" else 0)
+    """avx512: the kernel's fp32 AVX-512 path. amx, bf16pairs: required (the kernel raises if it
+    cannot take it), so the case really runs on that arithmetic; cases it does not cover
+    (`applies` false: not bf16 with head_dim a multiple of 32) are skipped."""
+    if arithmetic != "avx512" and not applies:
+        pytest.skip(f"the {arithmetic} arithmetic covers bf16 caches with head_dim a multiple of 32")
+    monkeypatch.setattr(invariant_cpu, "AMX", _ARITHMETIC_CODE[arithmetic])
 
 
 @pytest.mark.parametrize(("dtype", "arithmetic"), LINEAR_CASES)

@@ -291,6 +291,19 @@ inline void load_k_tile_bf16(const at::BFloat16* kc, const int64_t* off, float* 
   }
 }
 
+// The tile's keys as 32-bit words for score_rows_dp: word w (d = 2w, 2w + 1) of the 16 keys at
+// kw + 16 w, one 16 x 16 word transpose per 32 d, no conversion.
+template <int D>
+inline void load_k_words_bf16(const at::BFloat16* kc, const int64_t* off, float* kw) {
+  static_assert(D % 32 == 0, "pairs of d");
+  for (int c = 0; c < D; c += 32) {
+    v16f r[16];
+    for (int j = 0; j < kLanes; ++j) r[j] = off[j] < 0 ? (v16f){} : load16(reinterpret_cast<const float*>(kc + off[j] + c));
+    transpose16(r);
+    for (int i = 0; i < 16; ++i) store16(kw + (c / 2 + i) * kLanes, r[i]);
+  }
+}
+
 // Whether C at head_dim D takes the paired-bf16 path: keys as above, and values read 32 at a
 // time as even/odd halves, so the accumulators of a row hold, per 32 d, the 16 even d then the
 // 16 odd d (unpaired_acc restores the order). Each d's arithmetic is unchanged: only the lane
@@ -329,6 +342,36 @@ inline void score_rows(const float* const* q, const float* kT, v16f* out) {
     const v16f b0 = a[r][0] + a[r][4], b1 = a[r][1] + a[r][5], b2 = a[r][2] + a[r][6], b3 = a[r][3] + a[r][7];
     out[r] = (b0 + b2) + (b1 + b3);
   }
+}
+
+// The same 16 keys' scores from bf16 pairs (CPUs with AVX-512 BF16, bf16 q and cache, head_dim a
+// multiple of 32): kw holds the tile's keys as 32-bit words (d, d + 1), word w of the 16 keys at
+// kw + 16 w (load_k_words_bf16), qw[r] the row's raw bf16 q as the same words. Chain l (l = 0..3)
+// accumulates words w = l, l + 4, ... in order with VDPBF16PS (per lane: acc + q[d+1] k[d+1], then
+// + q[d] k[d], each product exact, one rounding per add, denormals flushed); the chains are summed
+// as (0 + 2) + (1 + 3) and the sum times the softmax scale. No fp32 copy of the keys is written
+// or read back, and a row's arithmetic is the same whichever rows share its tile.
+template <int D, int NR>
+inline void score_rows_dp(const uint32_t* const* qw, const float* kw, float scale, v16f* out) {
+#if defined(__AVX512BF16__)
+  constexpr int kWords = D / 2;
+  __m512 a[NR][4];
+  for (int r = 0; r < NR; ++r)
+    for (int l = 0; l < 4; ++l) a[r][l] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int w = 0; w < kWords; w += 4) {
+#pragma GCC unroll 4
+    for (int l = 0; l < 4; ++l) {
+      const __m512bh k = (__m512bh)_mm512_loadu_ps(kw + (w + l) * 16);
+      for (int r = 0; r < NR; ++r)
+        a[r][l] = _mm512_dpbf16_ps(a[r][l], k, (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[r][w + l])));
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    out[r] = (v16f)_mm512_add_ps(_mm512_add_ps(a[r][0], a[r][2]), _mm512_add_ps(a[r][1], a[r][3])) * scale;
+#else
+  (void)qw, (void)kw, (void)scale, (void)out;
+#endif
 }
 
 // acc = acc * corr (skipped when corr is exactly 1: the same bits), then acc += p[j] * v[j] for
@@ -618,8 +661,18 @@ void amx_scores(const ScoreJob*, int, int64_t, int) {}
 v16f amx_column(const float*, int) { return v16f{}; }
 #endif
 
+// The extension is built for the machine it runs on (-march=native), so the compiler's target is the CPU's.
+constexpr bool cpu_has_dp() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 struct Workspace {
   std::vector<float> q, acc, mx, den, kT, p;
+  std::vector<uint32_t> qw;  // the bf16-pair arithmetic: each row's raw q as 32-bit words (d, d + 1)
   // The AMX path: Q^T tiles per KV head, scores of a chunk, staged K rows, P rows, V pairs, P.V
   std::vector<at::BFloat16> bq, kstage, pa, vb;
   std::vector<float> cs, pv, corr;
@@ -637,6 +690,7 @@ struct Problem {
   int g;
   bool amx;  // the AMX arithmetic (bf16 q and cache, head_dim a multiple of 32)
   float scale;
+  bool dp = false;  // the AVX-512 BF16 pair arithmetic for scores (same inputs, CPUs without AMX)
 };
 
 // Per 32 values: 16 even d then 16 odd d -> d order (n a multiple of 32).
@@ -668,6 +722,26 @@ inline void attend_rows(Workspace& ws, int64_t r, const float* kT, const C* vc, 
   score_rows<D, NR>(qr, kT, sc);
   for (int u = 0; u < NR; ++u) corr[u] = softmax_step(sc[u], j0, j1, ws.mx[r + u], ws.den[r + u], pr[u]);
   pv_rows<C, D, NR>(ar, pc, corr, vc, off, vscale, j0, j1);
+}
+
+// attend_rows with the scores of score_rows_dp (kw: the tile's key words).
+template <int D, int NR>
+inline void attend_rows_dp(Workspace& ws, int64_t r, const float* kw, float scale, const at::BFloat16* vc,
+                           const int64_t* off, const float* vscale, int j0, int j1) {
+  const uint32_t* qr[NR];
+  float* ar[NR];
+  float* pr[NR];
+  const float* pc[NR];
+  v16f sc[NR];
+  float corr[NR];
+  for (int u = 0; u < NR; ++u) {
+    qr[u] = ws.qw.data() + (r + u) * (D / 2);
+    ar[u] = ws.acc.data() + (r + u) * D;
+    pc[u] = pr[u] = ws.p.data() + u * kLanes;
+  }
+  score_rows_dp<D, NR>(qr, kw, scale, sc);
+  for (int u = 0; u < NR; ++u) corr[u] = softmax_step(sc[u], j0, j1, ws.mx[r + u], ws.den[r + u], pr[u]);
+  pv_rows<at::BFloat16, D, NR>(ar, pc, corr, vc, off, vscale, j0, j1);
 }
 
 // ---- The AMX arithmetic for a work item (bf16 caches, head_dim a multiple of 32, CPUs with
@@ -920,10 +994,25 @@ void attend_item(const Problem& pb, const int32_t* table, const int32_t* ctx, in
         kscale[j] = scaled && slots[j] >= 0 ? pb.k_scales[slots[j] * hkv + kvh] : 1.f;
         vscale[j] = scaled && slots[j] >= 0 ? pb.v_scales[slots[j] * hkv + kvh] : 1.f;
       }
-      if constexpr (kPairedBf16<C, D>)
+      if constexpr (kPairedBf16<C, D>) {
+        if (pb.dp) {
+          load_k_words_bf16<D>(kc, off, kT);
+          for (int t = 0; t < tq; ++t) {
+            const int j0 = static_cast<int>(std::max<int64_t>(lo[t] - start, 0));
+            const int j1 = static_cast<int>(std::min<int64_t>(hi[t] - start, kLanes));
+            if (j0 >= j1) continue;
+            const int64_t r0 = t * heads + kvh * g;
+            int h = 0;
+            for (; h + 3 <= g; h += 3) attend_rows_dp<D, 3>(ws, r0 + h, kT, pb.scale, vc, off, vscale, j0, j1);
+            if (g - h == 2) attend_rows_dp<D, 2>(ws, r0 + h, kT, pb.scale, vc, off, vscale, j0, j1);
+            if (g - h == 1) attend_rows_dp<D, 1>(ws, r0 + h, kT, pb.scale, vc, off, vscale, j0, j1);
+          }
+          continue;
+        }
         load_k_tile_bf16<D>(kc, off, kT);
-      else
+      } else {
         load_k_tile<C, D>(kc, off, kscale, kT);
+      }
       for (int t = 0; t < tq; ++t) {
         const int j0 = static_cast<int>(std::max<int64_t>(lo[t] - start, 0));
         const int j1 = static_cast<int>(std::min<int64_t>(hi[t] - start, kLanes));
@@ -1056,6 +1145,10 @@ void run(const at::Tensor& q, const Problem& pb, AttendFn attend, const int32_t*
               tile[(i / 32) * 512 + ((i % 32) / 2) * 32 + col * 2 + i % 2] = static_cast<at::BFloat16>(src[i]);
           }
       }
+    } else if (pb.dp) {
+      // Raw bf16 q as words (d, d + 1); the scale multiplies the scores (score_rows_dp).
+      ws.qw.resize(static_cast<size_t>(rows) * d / 2);
+      std::memcpy(ws.qw.data(), qp + it.first * h * d, static_cast<size_t>(rows) * d * sizeof(T));
     } else {
       ws.q.resize(static_cast<size_t>(rows) * d);
       for (int64_t r = 0; r < rows; ++r) {  // row t * H + head is q[first + t, head]
@@ -1123,11 +1216,17 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   Problem pb{k_cache.data_ptr(), v_cache.data_ptr(), quantized ? ks.data_ptr<float>() : nullptr,
              quantized ? vs.data_ptr<float>() : nullptr, tables.data_ptr<int32_t>(), tables.size(1), block_size,
              hkv, window, static_cast<int>(h / hkv), false, static_cast<float>(scale)};
-  // amx: -1 where the CPU has it, 0 never (the AVX-512 arithmetic), 1 required.
-  const bool amx_fits = cache_type == at::kBFloat16 && q.scalar_type() == at::kBFloat16 && d % 32 == 0;
-  TORCH_CHECK(amx != 1 || (amx_fits && cpu_has_amx()), "paged_attention: amx=1 needs bf16 q and cache, head_dim a "
+  // amx (the arithmetic): -1 the CPU's best (AMX tiles, else AVX-512 BF16 pairs, else the fp32
+  // AVX-512 one), 0 the fp32 AVX-512 arithmetic, 1 AMX required, 2 AVX-512 BF16 pairs required.
+  // The first two need bf16 q and cache and head_dim a multiple of 32; other calls take the fp32 one.
+  const bool pairs_fit = cache_type == at::kBFloat16 && q.scalar_type() == at::kBFloat16 && d % 32 == 0;
+  TORCH_CHECK(amx >= -1 && amx <= 2, "paged_attention: amx must be -1, 0, 1 or 2");
+  TORCH_CHECK(amx != 1 || (pairs_fit && cpu_has_amx()), "paged_attention: amx=1 needs bf16 q and cache, head_dim a "
               "multiple of 32 and a CPU with AMX");
-  pb.amx = amx != 0 && amx_fits && cpu_has_amx();
+  TORCH_CHECK(amx != 2 || (pairs_fit && cpu_has_dp()), "paged_attention: amx=2 needs bf16 q and cache, head_dim a "
+              "multiple of 32 and a CPU with AVX-512 BF16");
+  pb.amx = (amx == -1 || amx == 1) && pairs_fit && cpu_has_amx();
+  pb.dp = !pb.amx && (amx == -1 || amx == 2) && pairs_fit && cpu_has_dp();
   AttendFn attend = nullptr;
   switch (cache_type) {
     case at::kBFloat16: attend = pick_head_dim<at::BFloat16>(d); break;
