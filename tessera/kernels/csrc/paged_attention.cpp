@@ -26,7 +26,9 @@
 // dequantized on load: key = float(code) * scale in fp32, the value tensor.dequantize gives.
 // On CPUs with AMX, bf16 caches take a second fixed arithmetic (amx_attend_item below: scores and
 // P.V as tile products over 256-key chunks); every row of every call on such a CPU takes it, so
-// the contract holds there too. `amx` = 0 keeps the AVX-512 arithmetic (tests compare both).
+// the contract holds there too. Without AMX but with AVX-512 BF16 (Zen 4/5) the scores of bf16
+// rows come from bf16 pairs instead (score_rows_dp), again for every row on such a CPU. `amx` = 0
+// keeps the fp32 AVX-512 arithmetic, 1 / 2 require AMX / the pairs (tests run all three).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -962,21 +964,25 @@ void attend_item(const Problem& pb, const int32_t* table, const int32_t* ctx, in
       slots[j] = pos < lo_all || pos >= hi_all ? -1 : static_cast<int64_t>(table[pos / bs]) * bs + pos % bs;
     }
   };
-  // The next tile's key and value rows (the item's heads' bytes of each) are prefetched towards L2
-  // while this one is computed: a model's cache does not stay in the caches, and the walk through
-  // shuffled blocks outruns the hardware prefetcher at every block edge. Measured (AMD EPYC Zen 4,
-  // model 17; 30 caches in turn, one process alternating): decode b32 0.87 -> 0.66 ms a layer, b1
-  // 0.062 -> 0.050; the K and V loads had been two thirds of the kernel's samples. Into L1
-  // (prefetcht0) gained nothing: the prefetches then stalled on the L1's few miss buffers.
-  const int64_t pf0 = ws.kvh0 * D * sizeof(C), pf1 = ws.kvh1 * D * sizeof(C);
-  auto prefetch_tile = [&](const int64_t* sl) {
+  // The next tile's key and value rows are prefetched towards L2 while this one is computed: a
+  // model's cache does not stay in the caches, and the walk through shuffled blocks outruns the
+  // hardware prefetcher at every block edge. Measured (AMD EPYC Zen 4, model 17; 30 caches in
+  // turn, one process alternating): decode b32 0.87 -> 0.66 ms a layer, b1 0.062 -> 0.050; the K
+  // and V loads had been two thirds of the kernel's samples. Into L1 (prefetcht0) gained nothing:
+  // the prefetches then stalled on the L1's few miss buffers. Each KV head's turn prefetches that
+  // head's bytes of the next tile (session 16): all heads' at once, at the tile's start, held a
+  // fifth of the kernel's samples on the prefetches themselves (the miss buffers full, the
+  // scores waiting behind them); spread over the heads, decode b32 x 320 0.579 -> 0.436 ms (8 of
+  // 8 rounds), prefill and b1 unchanged (one item per KV head there, or compute-bound).
+  auto prefetch_head = [&](const int64_t* sl, int64_t kvh) {
     // GCC deletes a loop whose only statements are prefetches (they have no side effects, and
     // C++ lets it assume such a loop ends): an empty volatile asm keeps it.
     asm volatile("");
+    const int64_t b0 = kvh * D * static_cast<int64_t>(sizeof(C)), b1 = b0 + D * static_cast<int64_t>(sizeof(C));
     for (const C* base : {kc, vc})
       for (int j = 0; j < kLanes; ++j)
         if (sl[j] >= 0)
-          for (int64_t b = pf0; b < pf1; b += 64)
+          for (int64_t b = b0; b < b1; b += 64)
             _mm_prefetch(reinterpret_cast<const char*>(base + sl[j] * row_stride) + b, _MM_HINT_T1);
   };
   int64_t slots[kLanes], next[kLanes], off[kLanes];
@@ -984,11 +990,10 @@ void attend_item(const Problem& pb, const int32_t* table, const int32_t* ctx, in
   tile_slots(lo_all / kLanes * kLanes, next);
   for (int64_t start = lo_all / kLanes * kLanes; start < hi_all; start += kLanes) {
     std::copy(next, next + kLanes, slots);
-    if (start + kLanes < hi_all) {
-      tile_slots(start + kLanes, next);
-      prefetch_tile(next);
-    }
+    const bool has_next = start + kLanes < hi_all;
+    if (has_next) tile_slots(start + kLanes, next);
     for (int64_t kvh = ws.kvh0; kvh < ws.kvh1; ++kvh) {
+      if (has_next) prefetch_head(next, kvh);
       for (int j = 0; j < kLanes; ++j) {
         off[j] = slots[j] < 0 ? -1 : slots[j] * row_stride + kvh * D;
         kscale[j] = scaled && slots[j] >= 0 ? pb.k_scales[slots[j] * hkv + kvh] : 1.f;
