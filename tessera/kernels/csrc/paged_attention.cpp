@@ -282,13 +282,18 @@ inline void load_k_tile(const C* kc, const int64_t* off, const float* scale, flo
 inline v16f bf16_lo(v16f w) { return (v16f)((v16u)w << 16); }
 inline v16f bf16_hi(v16f w) { return (v16f)((v16u)w & 0xFFFF0000u); }
 
+// r[i] = the 16 keys' 32-bit words (d, d + 1) = (c + 2i, c + 2i + 1): one 16 x 16 word transpose.
+__attribute__((always_inline)) inline void key_words(const at::BFloat16* kc, const int64_t* off, int c, v16f* r) {
+  for (int j = 0; j < kLanes; ++j) r[j] = off[j] < 0 ? (v16f){} : load16(reinterpret_cast<const float*>(kc + off[j] + c));
+  transpose16(r);
+}
+
 template <int D>
 inline void load_k_tile_bf16(const at::BFloat16* kc, const int64_t* off, float* kT) {
   static_assert(D % 32 == 0, "pairs of d");
   for (int c = 0; c < D; c += 32) {
     v16f r[16];
-    for (int j = 0; j < kLanes; ++j) r[j] = off[j] < 0 ? (v16f){} : load16(reinterpret_cast<const float*>(kc + off[j] + c));
-    transpose16(r);
+    key_words(kc, off, c, r);
     for (int i = 0; i < 16; ++i) {
       store16(kT + (c + 2 * i) * kLanes, bf16_lo(r[i]));
       store16(kT + (c + 2 * i + 1) * kLanes, bf16_hi(r[i]));
@@ -297,14 +302,13 @@ inline void load_k_tile_bf16(const at::BFloat16* kc, const int64_t* off, float* 
 }
 
 // The tile's keys as 32-bit words for score_rows_dp: word w (d = 2w, 2w + 1) of the 16 keys at
-// kw + 16 w, one 16 x 16 word transpose per 32 d, no conversion.
+// kw + 16 w, no conversion.
 template <int D>
 inline void load_k_words_bf16(const at::BFloat16* kc, const int64_t* off, float* kw) {
   static_assert(D % 32 == 0, "pairs of d");
   for (int c = 0; c < D; c += 32) {
     v16f r[16];
-    for (int j = 0; j < kLanes; ++j) r[j] = off[j] < 0 ? (v16f){} : load16(reinterpret_cast<const float*>(kc + off[j] + c));
-    transpose16(r);
+    key_words(kc, off, c, r);
     for (int i = 0; i < 16; ++i) store16(kw + (c / 2 + i) * kLanes, r[i]);
   }
 }
@@ -709,44 +713,31 @@ inline void unpair_acc(float* acc, int64_t n) {
   }
 }
 
-// NR query heads (rows r, r + 1, ... of ws) of one token against one KV head's tile.
-template <typename C, int D, int NR>
-inline void attend_rows(Workspace& ws, int64_t r, const float* kT, const C* vc, const int64_t* off,
+// NR query heads (rows r, r + 1, ... of ws) of one token against one KV head's tile: kT the keys
+// as fp32 (score_rows), or with Pairs their bf16 words (score_rows_dp, the raw q in ws.qw).
+template <typename C, int D, int NR, bool Pairs>
+inline void attend_rows(Workspace& ws, int64_t r, const float* kT, float scale, const C* vc, const int64_t* off,
                         const float* vscale, int j0, int j1) {
-  const float* qr[NR];
   float* ar[NR];
   float* pr[NR];
   const float* pc[NR];
   v16f sc[NR];
   float corr[NR];
   for (int u = 0; u < NR; ++u) {
-    qr[u] = ws.q.data() + (r + u) * D;
     ar[u] = ws.acc.data() + (r + u) * D;
     pc[u] = pr[u] = ws.p.data() + u * kLanes;
   }
-  score_rows<D, NR>(qr, kT, sc);
+  if constexpr (Pairs) {
+    const uint32_t* qr[NR];
+    for (int u = 0; u < NR; ++u) qr[u] = ws.qw.data() + (r + u) * (D / 2);
+    score_rows_dp<D, NR>(qr, kT, scale, sc);
+  } else {
+    const float* qr[NR];
+    for (int u = 0; u < NR; ++u) qr[u] = ws.q.data() + (r + u) * D;
+    score_rows<D, NR>(qr, kT, sc);
+  }
   for (int u = 0; u < NR; ++u) corr[u] = softmax_step(sc[u], j0, j1, ws.mx[r + u], ws.den[r + u], pr[u]);
   pv_rows<C, D, NR>(ar, pc, corr, vc, off, vscale, j0, j1);
-}
-
-// attend_rows with the scores of score_rows_dp (kw: the tile's key words).
-template <int D, int NR>
-inline void attend_rows_dp(Workspace& ws, int64_t r, const float* kw, float scale, const at::BFloat16* vc,
-                           const int64_t* off, const float* vscale, int j0, int j1) {
-  const uint32_t* qr[NR];
-  float* ar[NR];
-  float* pr[NR];
-  const float* pc[NR];
-  v16f sc[NR];
-  float corr[NR];
-  for (int u = 0; u < NR; ++u) {
-    qr[u] = ws.qw.data() + (r + u) * (D / 2);
-    ar[u] = ws.acc.data() + (r + u) * D;
-    pc[u] = pr[u] = ws.p.data() + u * kLanes;
-  }
-  score_rows_dp<D, NR>(qr, kw, scale, sc);
-  for (int u = 0; u < NR; ++u) corr[u] = softmax_step(sc[u], j0, j1, ws.mx[r + u], ws.den[r + u], pr[u]);
-  pv_rows<at::BFloat16, D, NR>(ar, pc, corr, vc, off, vscale, j0, j1);
 }
 
 // ---- The AMX arithmetic for a work item (bf16 caches, head_dim a multiple of 32, CPUs with
@@ -1002,35 +993,31 @@ void attend_item(const Problem& pb, const int32_t* table, const int32_t* ctx, in
         kscale[j] = scaled && slots[j] >= 0 ? pb.k_scales[slots[j] * hkv + kvh] : 1.f;
         vscale[j] = scaled && slots[j] >= 0 ? pb.v_scales[slots[j] * hkv + kvh] : 1.f;
       }
+      // Every token's query heads of this KV head against the tile, 3 heads at a time.
+      auto attend_tokens = [&](auto pairs) {
+        constexpr bool P = decltype(pairs)::value;
+        for (int t = 0; t < tq; ++t) {
+          const int j0 = static_cast<int>(std::max<int64_t>(lo[t] - start, 0));
+          const int j1 = static_cast<int>(std::min<int64_t>(hi[t] - start, kLanes));
+          if (j0 >= j1) continue;
+          const int64_t r0 = t * heads + kvh * g;
+          int h = 0;
+          for (; h + 3 <= g; h += 3) attend_rows<C, D, 3, P>(ws, r0 + h, kT, pb.scale, vc, off, vscale, j0, j1);
+          if (g - h == 2) attend_rows<C, D, 2, P>(ws, r0 + h, kT, pb.scale, vc, off, vscale, j0, j1);
+          if (g - h == 1) attend_rows<C, D, 1, P>(ws, r0 + h, kT, pb.scale, vc, off, vscale, j0, j1);
+        }
+      };
       if constexpr (kPairedBf16<C, D>) {
         if (pb.dp) {
           load_k_words_bf16<D>(kc, off, kT);
-          for (int t = 0; t < tq; ++t) {
-            const int j0 = static_cast<int>(std::max<int64_t>(lo[t] - start, 0));
-            const int j1 = static_cast<int>(std::min<int64_t>(hi[t] - start, kLanes));
-            if (j0 >= j1) continue;
-            const int64_t r0 = t * heads + kvh * g;
-            int h = 0;
-            for (; h + 3 <= g; h += 3) attend_rows_dp<D, 3>(ws, r0 + h, kT, pb.scale, vc, off, vscale, j0, j1);
-            if (g - h == 2) attend_rows_dp<D, 2>(ws, r0 + h, kT, pb.scale, vc, off, vscale, j0, j1);
-            if (g - h == 1) attend_rows_dp<D, 1>(ws, r0 + h, kT, pb.scale, vc, off, vscale, j0, j1);
-          }
+          attend_tokens(std::true_type{});
           continue;
         }
         load_k_tile_bf16<D>(kc, off, kT);
       } else {
         load_k_tile<C, D>(kc, off, kscale, kT);
       }
-      for (int t = 0; t < tq; ++t) {
-        const int j0 = static_cast<int>(std::max<int64_t>(lo[t] - start, 0));
-        const int j1 = static_cast<int>(std::min<int64_t>(hi[t] - start, kLanes));
-        if (j0 >= j1) continue;
-        const int64_t r0 = t * heads + kvh * g;
-        int h = 0;
-        for (; h + 3 <= g; h += 3) attend_rows<C, D, 3>(ws, r0 + h, kT, vc, off, vscale, j0, j1);
-        if (g - h == 2) attend_rows<C, D, 2>(ws, r0 + h, kT, vc, off, vscale, j0, j1);
-        if (g - h == 1) attend_rows<C, D, 1>(ws, r0 + h, kT, vc, off, vscale, j0, j1);
-      }
+      attend_tokens(std::false_type{});
     }
   }
   if constexpr (kPairedBf16<C, D>) unpair_acc(ws.acc.data(), rows * D);
