@@ -125,7 +125,8 @@ class Scheduler:
         total = self.max_model_len if max_tokens is None else min(n + max_tokens, self.max_model_len)
         needed = self.kv.num_blocks_for(total)
         if self.sliding_window is not None:  # blocks behind the window are freed as it moves
-            needed = min(needed, self.kv.num_blocks_for(self.sliding_window + self.max_num_batched_tokens) + 1)
+            chunk = max(self.max_num_batched_tokens, self.prefill_only_budget or 0)  # a step's largest
+            needed = min(needed, self.kv.num_blocks_for(self.sliding_window + chunk) + 1)
         if needed > self.kv.num_usable_blocks:
             asked = f"prompt {n} + max_tokens {max_tokens}" if max_tokens is not None else f"prompt {n}, no max_tokens"
             raise ValueError(

@@ -186,6 +186,17 @@ def test_a_burst_into_an_idle_engine_takes_the_prefill_only_budget_until_a_seque
     assert [(s.seq, s.num_new_tokens) for s in sim.step().scheduled] == [(late, 20)]
 
 
+def test_a_sliding_window_request_is_checked_against_the_largest_chunk_a_step_can_take():
+    """With a window, a sequence holds its window plus one step's chunk; a prefill-only budget
+    above the step budget makes that chunk larger, so admission counts it."""
+    kv = KVCacheManager(6, 4, True)  # 5 usable blocks of 4
+    sched = Scheduler(kv, max_num_seqs=2, max_num_batched_tokens=4, max_model_len=64, sliding_window=8)
+    sched.add(make_seq(list(range(30)), max_tokens=10))  # window 8 + chunk 4: 3 blocks + 1
+    sched.prefill_only_budget = 20  # window 8 + chunk 20: 7 blocks + 1 > 5
+    with pytest.raises(ValueError, match="--kv-cache-memory"):
+        sched.add(make_seq(list(range(30)), max_tokens=10))
+
+
 def test_a_prefill_only_budget_under_the_step_budget_changes_nothing():
     sim = Sim(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, prefill_only_budget=4)
     seq = make_seq([1] * 12, max_tokens=2)

@@ -356,10 +356,11 @@ inline void score_rows(const float* const* q, const float* kT, v16f* out) {
 // The same 16 keys' scores from bf16 pairs (CPUs with AVX-512 BF16, bf16 q and cache, head_dim a
 // multiple of 32): kw holds the tile's keys as 32-bit words (d, d + 1), word w of the 16 keys at
 // kw + 16 w (load_k_words_bf16), qw[r] the row's raw bf16 q as the same words. Chain l (l = 0..3)
-// accumulates words w = l, l + 4, ... in order with VDPBF16PS (per lane: acc + q[d+1] k[d+1], then
-// + q[d] k[d], each product exact, one rounding per add, denormals flushed); the chains are summed
-// as (0 + 2) + (1 + 3) and the sum times the softmax scale. No fp32 copy of the keys is written
-// or read back, and a row's arithmetic is the same whichever rows share its tile.
+// accumulates words w = l, l + 4, ... in order with VDPBF16PS (per lane the pair's two products,
+// each exact in fp32, added to the accumulator as the instruction defines it, denormals flushed);
+// the chains are summed as (0 + 2) + (1 + 3) and the sum times the softmax scale. No fp32 copy of
+// the keys is written or read back, and a row's arithmetic is the same whichever rows share its
+// tile.
 template <int D, int NR>
 inline void score_rows_dp(const uint32_t* const* qw, const float* kw, float scale, v16f* out) {
 #if defined(__AVX512BF16__)
