@@ -35,15 +35,17 @@ def test_logits_and_first_maximum_match_torch(arithmetic, m, n, k, monkeypatch):
 
 
 @pytest.mark.parametrize("arithmetic", ARITHMETICS)
-def test_ties_go_to_the_first_column(arithmetic, monkeypatch):
-    # Three copies of the same 40 rows of weights: every maximum appears three times (in other
-    # column tasks and lanes); bf16 rounding also makes ties within one copy.
+@pytest.mark.parametrize("rows", [40, 48])
+def test_ties_go_to_the_first_column(arithmetic, rows, monkeypatch):
+    # Three copies of the same rows of weights: every maximum appears three times (in other column
+    # tasks and lanes); bf16 rounding also makes ties within one copy. 48 rows: 9 column blocks,
+    # three 4-block tasks (the last one short) over the threads' chunks.
     monkeypatch.setattr(linear, "BF16_ARITHMETIC", arithmetic)
-    w = torch.randn(40, 64).bfloat16()
+    w = torch.randn(rows, 64).bfloat16()
     lin = linear.InvariantLinear(torch.cat([w, w, w]))
     x = torch.randn(50, 64).bfloat16()
     logits, ids = lin.forward_float_argmax(x)
-    assert torch.equal(ids, logits.argmax(-1)) and bool((ids < 40).all())
+    assert torch.equal(ids, logits.argmax(-1)) and bool((ids < rows).all())
 
 
 def test_float32_weights_give_no_kernel_argmax():
