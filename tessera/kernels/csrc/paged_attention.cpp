@@ -282,34 +282,23 @@ inline void load_k_tile(const C* kc, const int64_t* off, const float* scale, flo
 inline v16f bf16_lo(v16f w) { return (v16f)((v16u)w << 16); }
 inline v16f bf16_hi(v16f w) { return (v16f)((v16u)w & 0xFFFF0000u); }
 
-// r[i] = the 16 keys' 32-bit words (d, d + 1) = (c + 2i, c + 2i + 1): one 16 x 16 word transpose.
-__attribute__((always_inline)) inline void key_words(const at::BFloat16* kc, const int64_t* off, int c, v16f* r) {
-  for (int j = 0; j < kLanes; ++j) r[j] = off[j] < 0 ? (v16f){} : load16(reinterpret_cast<const float*>(kc + off[j] + c));
-  transpose16(r);
-}
-
-template <int D>
+// With Words, the same transposed words stored as they are for score_rows_dp: word w (d = 2w,
+// 2w + 1) of the 16 keys at kT + 16 w, no conversion.
+template <int D, bool Words>
 inline void load_k_tile_bf16(const at::BFloat16* kc, const int64_t* off, float* kT) {
   static_assert(D % 32 == 0, "pairs of d");
   for (int c = 0; c < D; c += 32) {
     v16f r[16];
-    key_words(kc, off, c, r);
+    for (int j = 0; j < kLanes; ++j) r[j] = off[j] < 0 ? (v16f){} : load16(reinterpret_cast<const float*>(kc + off[j] + c));
+    transpose16(r);
     for (int i = 0; i < 16; ++i) {
-      store16(kT + (c + 2 * i) * kLanes, bf16_lo(r[i]));
-      store16(kT + (c + 2 * i + 1) * kLanes, bf16_hi(r[i]));
+      if constexpr (Words) {
+        store16(kT + (c / 2 + i) * kLanes, r[i]);
+      } else {
+        store16(kT + (c + 2 * i) * kLanes, bf16_lo(r[i]));
+        store16(kT + (c + 2 * i + 1) * kLanes, bf16_hi(r[i]));
+      }
     }
-  }
-}
-
-// The tile's keys as 32-bit words for score_rows_dp: word w (d = 2w, 2w + 1) of the 16 keys at
-// kw + 16 w, no conversion.
-template <int D>
-inline void load_k_words_bf16(const at::BFloat16* kc, const int64_t* off, float* kw) {
-  static_assert(D % 32 == 0, "pairs of d");
-  for (int c = 0; c < D; c += 32) {
-    v16f r[16];
-    key_words(kc, off, c, r);
-    for (int i = 0; i < 16; ++i) store16(kw + (c / 2 + i) * kLanes, r[i]);
   }
 }
 
@@ -355,7 +344,7 @@ inline void score_rows(const float* const* q, const float* kT, v16f* out) {
 
 // The same 16 keys' scores from bf16 pairs (CPUs with AVX-512 BF16, bf16 q and cache, head_dim a
 // multiple of 32): kw holds the tile's keys as 32-bit words (d, d + 1), word w of the 16 keys at
-// kw + 16 w (load_k_words_bf16), qw[r] the row's raw bf16 q as the same words. Chain l (l = 0..3)
+// kw + 16 w (load_k_tile_bf16<D, true>), qw[r] the row's raw bf16 q as the same words. Chain l (l = 0..3)
 // accumulates words w = l, l + 4, ... in order with VDPBF16PS (per lane the pair's two products,
 // each exact in fp32, added to the accumulator as the instruction defines it, denormals flushed);
 // the chains are summed as (0 + 2) + (1 + 3) and the sum times the softmax scale. No fp32 copy of
@@ -1010,11 +999,11 @@ void attend_item(const Problem& pb, const int32_t* table, const int32_t* ctx, in
       };
       if constexpr (kPairedBf16<C, D>) {
         if (pb.dp) {
-          load_k_words_bf16<D>(kc, off, kT);
+          load_k_tile_bf16<D, true>(kc, off, kT);
           attend_tokens(std::true_type{});
           continue;
         }
-        load_k_tile_bf16<D>(kc, off, kT);
+        load_k_tile_bf16<D, false>(kc, off, kT);
       } else {
         load_k_tile<C, D>(kc, off, kscale, kT);
       }
@@ -1142,9 +1131,12 @@ void run(const at::Tensor& q, const Problem& pb, AttendFn attend, const int32_t*
           }
       }
     } else if (pb.dp) {
-      // Raw bf16 q as words (d, d + 1); the scale multiplies the scores (score_rows_dp).
-      ws.qw.resize(static_cast<size_t>(rows) * d / 2);
-      std::memcpy(ws.qw.data(), qp + it.first * h * d, static_cast<size_t>(rows) * d * sizeof(T));
+      // Raw bf16 q as words (d, d + 1); the scale multiplies the scores (score_rows_dp). pb.dp is
+      // only set for bf16 q, so other instantiations never copy.
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        ws.qw.resize(static_cast<size_t>(rows) * d / 2);
+        std::memcpy(ws.qw.data(), qp + it.first * h * d, static_cast<size_t>(rows) * d * sizeof(T));
+      }
     } else {
       ws.q.resize(static_cast<size_t>(rows) * d);
       for (int64_t r = 0; r < rows; ++r) {  // row t * H + head is q[first + t, head]
@@ -1214,7 +1206,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
              hkv, window, static_cast<int>(h / hkv), false, static_cast<float>(scale)};
   // amx (the arithmetic): -1 the CPU's best (AMX tiles, else AVX-512 BF16 pairs, else the fp32
   // AVX-512 one), 0 the fp32 AVX-512 arithmetic, 1 AMX required, 2 AVX-512 BF16 pairs required.
-  // The first two need bf16 q and cache and head_dim a multiple of 32; other calls take the fp32 one.
+  // AMX and the pairs need bf16 q and cache and head_dim a multiple of 32; other calls take the fp32 one.
   const bool pairs_fit = cache_type == at::kBFloat16 && q.scalar_type() == at::kBFloat16 && d % 32 == 0;
   TORCH_CHECK(amx >= -1 && amx <= 2, "paged_attention: amx must be -1, 0, 1 or 2");
   TORCH_CHECK(amx != 1 || (pairs_fit && cpu_has_amx()), "paged_attention: amx=1 needs bf16 q and cache, head_dim a "
