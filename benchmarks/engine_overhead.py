@@ -73,6 +73,8 @@ def sampling_params(kind: str, output_len: int, stop: list[str]) -> SamplingPara
         return SamplingParams(temperature=1.0, **common)
     if kind == "top-k":
         return SamplingParams(temperature=0.8, top_k=50, **common)
+    if kind == "nucleus":  # top-p alone, as OpenAI clients send it
+        return SamplingParams(temperature=0.8, top_p=0.95, **common)
     return SamplingParams(temperature=0.8, top_k=50, top_p=0.95, **common)
 
 
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--sampling", choices=("greedy", "temperature", "top-k", "top-p"), default="top-p",
+    ap.add_argument("--sampling", choices=("greedy", "temperature", "top-k", "top-p", "nucleus"), default="top-p",
                     help="temperature: 1.0 alone, the OpenAI API's default")
     ap.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     ap.add_argument("--warmup-steps", type=int, default=4, help="decode steps left out of the table")

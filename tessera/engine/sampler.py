@@ -12,7 +12,9 @@ strictly higher logprob, so tied tokens share the better rank.
 
 Top-k and top-p never sort the whole vocabulary: tessera.engine.candidates finds each row's
 kept tokens from a torch.topk fetch of its head, with exactly the semantics of `filter_logits`
-(the full-sort reference, which the speculative verifier still uses).
+(the full-sort reference, which the speculative verifier still uses). Unseeded top-p-only rows
+(no top-k, no min-p) on CPUs with AVX-512 take one native op instead (`_sample_nucleus`): a
+nucleus of thousands of tokens made that fetch widen to the whole row.
 
 Randomness: a seeded request (a row with its own torch.Generator) draws by an exponential
 race, argmax(probs / E) with E ~ Exponential(1) per token: each random step takes one key (two
@@ -270,18 +272,33 @@ class Sampler:
     ) -> torch.Tensor:
         device, (num_rows, vocab) = logits.device, logits.shape
         temperature = torch.tensor([p.temperature for p in params], device=device)
-        filtered = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
-        if len(filtered) == num_rows:
-            return self._sample_filtered(logits, temperature, params, generators)
-        if not filtered:
-            return self._sample_plain(logits, temperature, params, generators)
-        plain = [i for i in range(num_rows) if i not in set(filtered)]
+        native = native_softmax_ops(logits)
+        nucleus, filtered, plain = [], [], []
+        for i, (p, gen) in enumerate(zip(params, generators, strict=True)):
+            limited = 0 < p.top_k < vocab
+            if not limited and p.top_p < 1.0 and p.min_p == 0.0 and gen is None and native:
+                nucleus.append(i)
+            else:
+                (filtered if limited or p.top_p < 1.0 else plain).append(i)
+        groups = ((self._sample_nucleus, nucleus), (self._sample_filtered, filtered), (self._sample_plain, plain))
+        for draw, group in groups:
+            if len(group) == num_rows:
+                return draw(logits, temperature, params, generators)
         token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
-        for group, draw in ((filtered, self._sample_filtered), (plain, self._sample_plain)):
-            rows = torch.tensor(group, device=device)
-            token_ids[rows] = draw(logits[rows], temperature[rows], [params[i] for i in group],
-                                   [generators[i] for i in group])
+        for draw, group in groups:
+            if group:
+                rows = torch.tensor(group, device=device)
+                token_ids[rows] = draw(logits[rows], temperature[rows], [params[i] for i in group],
+                                       [generators[i] for i in group])
         return token_ids
+
+    def _sample_nucleus(self, logits: torch.Tensor, temperature: torch.Tensor, params: Sequence[SamplingParams],
+                        generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+        """Unseeded top-p-only rows (no top-k, no min-p): the nucleus and its inverse-CDF draw in one
+        native op that never orders the row (tessera/kernels/csrc/sampling.cpp: sample_top_p); the
+        same kept set and draw as _sample_filtered's, which for a flat row sorted ever wider heads."""
+        top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+        return kernels.ops().sample_top_p(logits, temperature, top_p, self._uniforms(len(params), logits.device))
 
     def _sample_filtered(self, logits: torch.Tensor, temperature: torch.Tensor, params: Sequence[SamplingParams],
                          generators: Sequence[torch.Generator | None]) -> torch.Tensor:

@@ -3,7 +3,7 @@ fused elementwise ops of a layer (residual add + RMSNorm, rotary, SiLU x up).
 
 `available()` builds `csrc/invariant_kernels.cpp`, `csrc/paged_attention.cpp`,
 `csrc/fused_ops.cpp`, `csrc/decoder_stack.cpp` (a llama decoder stack in one call) and
-`csrc/sampling.cpp` (the sampler's head of a row and its temperature-only draw) through `tessera.native` (cached per CPU and torch version) and registers the ops under `torch.ops.tessera_inv`. Everything here has a
+`csrc/sampling.cpp` (the sampler's head of a row, its temperature-only and top-p-only draws) through `tessera.native` (cached per CPU and torch version) and registers the ops under `torch.ops.tessera_inv`. Everything here has a
 pure-torch fallback; callers ask `available()` first.
 """
 

@@ -87,3 +87,108 @@ def test_native_exp_is_within_3e_7_of_float64():
     # A masked token weighs nothing.
     _, masked = kernels.ops().softmax_normalizers(torch.tensor([[0.0, float("-inf")]]), torch.ones(1))
     assert float(masked[0]) == 1.0
+
+
+def _nucleus_rows(vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(8, vocab, generator=gen)
+    x[0] *= 0.5  # flat: a 0.95 nucleus of most of the row
+    x[1] *= 3.0
+    x[2] = (x[2] * 3).bfloat16().float()  # bf16 logits: ties across the nucleus' edge
+    x[3] = (x[3] * 2).round() / 2  # heavy ties
+    x[4, 17] = 40.0  # one token holds almost all the mass
+    x[5, ::3] = float("-inf")  # masked tokens (a grammar, min_tokens)
+    x[6] = torch.linspace(-20, 20, vocab)  # spread over every bucket, and past the last
+    x[7] *= 8.0
+    temperature = torch.tensor([1.0, 0.7, 1.3, 1.0, 0.25, 0.8, 1.0, 0.5])
+    top_p = torch.tensor([0.95, 0.9, 0.5, 0.8, 0.3, 0.999, 0.01, 0.97])
+    return x, temperature, top_p
+
+
+def _nucleus_reference(row: torch.Tensor, temperature: float, top_p: float):
+    """The top-p-only kept prefix in float64: quotients as torch rounds them (float32), ordered
+    (quotient descending, id ascending), softmax over the whole row, a token kept while the mass
+    before it is under top_p - 1e-6 (the first always). Returns (ids in order, cdf over the kept)."""
+    q = (row / temperature).double()
+    values, order = q.sort(descending=True, stable=True)
+    probs = (values - values[0]).exp()
+    probs /= probs.sum()
+    threshold = float(torch.tensor(top_p) - 1e-6)
+    before = probs.cumsum(0) - probs
+    kept = max(1, int((before < threshold).sum()))
+    return order[:kept], probs[:kept].cumsum(0)
+
+
+@pytest.mark.parametrize("vocab", [1000, 4097, 49152])
+def test_top_p_draw_is_the_inverse_cdf_over_the_float64_nucleus(vocab):
+    x, temperature, top_p = _nucleus_rows(vocab)
+    uniforms = torch.cat([torch.tensor([0.0, 1e-9, 0.5, 1 - 1e-12]),
+                          torch.rand(20, generator=torch.Generator().manual_seed(5), dtype=torch.float64)])
+    n = uniforms.numel()
+    drawn = kernels.ops().sample_top_p(x.repeat_interleave(n, dim=0), temperature.repeat_interleave(n),
+                                       top_p.repeat_interleave(n), uniforms.repeat(x.shape[0]))
+    for r in range(x.shape[0]):
+        ids, cdf = _nucleus_reference(x[r], float(temperature[r]), float(top_p[r]))
+        position = {int(t): j for j, t in enumerate(ids)}
+        for j in range(n):
+            t = int(drawn[r * n + j])
+            # The drawn token is in the nucleus, at the place its inverse CDF puts u (up to the
+            # float32 exps' 3e-7: the last of a 0.999 nucleus may sit that close to its edge).
+            assert t in position or (float(cdf[-1]) > 0.999 - 1e-5 and x[r, t] > float("-inf")), (r, j, t)
+            if t not in position:
+                continue
+            k = position[t]
+            target = float(uniforms[j]) * float(cdf[-1])
+            below = float(cdf[k - 1]) if k else 0.0
+            assert below - 1e-6 <= target <= float(cdf[k]) + 1e-6, (r, j, t, below, target, float(cdf[k]))
+        # The last uniform reaches the nucleus' last token: the edge itself is right.
+        last = int(drawn[r * n + 3])
+        assert position.get(last, len(ids) - 1) >= len(ids) - 2, (r, len(ids), position.get(last))
+
+
+def test_top_p_draw_equals_the_sorting_path():
+    """The same uniforms through kept_prefix + draw_from_prefix (the sorting path it replaces)."""
+    from tessera.engine.candidates import draw_from_prefix, kept_prefix
+
+    x, temperature, top_p = _nucleus_rows(49152)
+    rows = x.shape[0]
+    for seed in range(3):
+        uniforms = torch.rand(rows, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        native = kernels.ops().sample_top_p(x, temperature, top_p, uniforms)
+        prefix = kept_prefix(x, temperature, torch.full((rows,), 49152), top_p, torch.zeros(rows))
+        assert native.tolist() == draw_from_prefix(prefix, uniforms).tolist()
+
+
+def test_sampler_takes_the_native_nucleus_for_unseeded_top_p_only_rows(monkeypatch):
+    x, _, _ = _nucleus_rows(4096)
+    calls = []
+    real = kernels.ops()
+
+    class Ops:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def sample_top_p(self, *args):
+            calls.append(args[0].shape[0])
+            return real.sample_top_p(*args)
+
+    ops = Ops()
+    monkeypatch.setattr(kernels, "ops", lambda: ops)
+    sampler = Sampler()
+    n = x.shape[0]
+    common = dict(output_token_ids=[[]] * n, prompt_token_ids=[[1]] * n)
+    sampler.sample(x, [SamplingParams(temperature=0.8, top_p=0.9)] * n, generators=[None] * n, **common)
+    assert calls == [n]
+    # A mixed batch: only its unseeded top-p-only rows go native; every row draws from its own kept set.
+    params = [SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0.8, top_p=0.9, top_k=5),
+              SamplingParams(temperature=0.8, top_p=0.9, min_p=0.2), SamplingParams(temperature=0.8, top_p=0.9, seed=3),
+              SamplingParams(temperature=0.8), SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.5),
+              SamplingParams(temperature=0.8, top_k=2)]
+    generators = [torch.Generator().manual_seed(3) if p.seed is not None else None for p in params]
+    out = sampler.sample(x, params, generators=generators, **common)
+    assert calls == [n, 2]
+    assert out.token_ids[5] == int(x[5].argmax())
+    assert out.token_ids[1] in x[1].topk(5).indices.tolist() and out.token_ids[7] in x[7].topk(2).indices.tolist()
+    for r in (0, 6):
+        ids, _ = _nucleus_reference(x[r], 0.8, params[r].top_p)
+        assert out.token_ids[r] in ids.tolist()

@@ -6,6 +6,8 @@
 //                     given uniform (temperature-only rows: the API's default sampling)
 //   * softmax_normalizers: each row's max and sum of exps, what a top-p-only nucleus is
 //                     measured against (tessera.engine.candidates._row_normalizers)
+//   * sample_top_p:   one token per top-p-only row (no top-k, no min-p) from its nucleus, found
+//                     and drawn from by a histogram of the row's mass instead of a sorted head
 // Rows are independent, so a row's result never depends on its batch.
 //
 // head_topk keeps tessera.engine.candidates.head_topk's contract: at least `width` entries per
@@ -326,6 +328,188 @@ std::tuple<at::Tensor, at::Tensor> softmax_normalizers(const at::Tensor& logits,
   return {maxima, sums};
 }
 
+// sample_top_p: one token per row from the nucleus of softmax(logits / temperature), as
+// kept_prefix + draw_from_prefix give it for a top-p-only row (no top-k, no min-p), without
+// ordering the row: the nucleus is the shortest prefix, in (quotient descending, id ascending)
+// order, whose mass before a token stays under top_p - 1e-6 (the first token always), and the
+// token drawn is the first of that prefix whose cumulative mass exceeds u x the prefix's mass.
+// Both are quantiles of the ordered row, so a histogram finds them: the quotients' distance below
+// the row's maximum in buckets of 1/64 nat (a bucket's tokens all come after those of the bucket
+// before it), each bucket's float64 mass, then only the one bucket the quantile falls in is
+// sorted. The exps are softmax_normalizers' float32 terms (each within 3e-7 of float64's), as the
+// nucleus of a top-p-only row was already measured against their sum. The fetch-and-widen path
+// of kept_prefix sorted ever wider heads: a flat row (a 0.95 nucleus of thousands of tokens, as
+// random or uncertain text gives) cost 14-18 ms of a 32-row step there.
+constexpr int kNucleusBucketsPerNat = 64;
+constexpr int kNucleusBuckets = kNucleusBucketsPerNat * 32;  // 32 nats; the rest share the last bucket
+// Distances below the maximum (nats) whose masses the first pass sums: the histogram then only
+// takes the tokens above the first of them that holds the nucleus (a few hundred in a model's
+// row, where a whole-row histogram cost ~150 us a row: a scalar scatter into memory).
+constexpr int kNucleusCuts = 6;
+constexpr float kNucleusCut[kNucleusCuts] = {0.5f, 1.0f, 2.0f, 4.0f, 8.0f, 16.0f};
+
+struct NucleusMember {
+  float q;     // the quotient x / t
+  int64_t id;
+  float w;     // exp(q - max)
+};
+
+// One thread's buffers: the row's quotients and weights (from the first pass), the histogram,
+// the sorted members of the nucleus' edge bucket and of the bucket the draw falls in.
+struct NucleusScratch {
+  std::vector<float> q, w;
+  std::vector<double> mass;
+  std::vector<NucleusMember> edge, drawn;
+};
+
+inline __m512i nucleus_bucket(__m512 d) {
+  // min returns its second operand for a NaN: such a token lands in the last bucket.
+  return _mm512_cvttps_epi32(
+      _mm512_min_ps(_mm512_mul_ps(d, _mm512_set1_ps(kNucleusBucketsPerNat)), _mm512_set1_ps(kNucleusBuckets - 1)));
+}
+
+// The row's tokens in bucket `b`, in (quotient descending, id ascending) order.
+void bucket_members(const NucleusScratch& s, int64_t vocab, float top, int b, std::vector<NucleusMember>& out) {
+  out.clear();
+  const __m512 vtop = _mm512_set1_ps(top);
+  for (int64_t i = 0; i < vocab; i += 16) {
+    const __mmask16 mask = tail_mask(vocab - i);
+    const __m512 q = _mm512_maskz_loadu_ps(mask, s.q.data() + i);
+    for (__mmask16 in = _mm512_mask_cmpeq_epi32_mask(mask, nucleus_bucket(_mm512_sub_ps(vtop, q)), _mm512_set1_epi32(b));
+         in; in &= in - 1) {
+      const int64_t j = i + __builtin_ctz(in);
+      out.push_back({s.q[j], j, s.w[j]});
+    }
+  }
+  std::sort(out.begin(), out.end(), [](const NucleusMember& x, const NucleusMember& y) {
+    return x.q > y.q || (x.q == y.q && x.id < y.id);
+  });
+}
+
+// The float64 masses of the buckets of the tokens less than `cut` nats below the maximum.
+void nucleus_histogram(NucleusScratch& s, int64_t vocab, float top, float cut) {
+  s.mass.assign(kNucleusBuckets, 0.0);
+  const __m512 vtop = _mm512_set1_ps(top), vcut = _mm512_set1_ps(cut);
+  alignas(64) int32_t b16[16];
+  for (int64_t i = 0; i < vocab; i += 16) {
+    const __mmask16 mask = tail_mask(vocab - i);
+    const __m512 d = _mm512_sub_ps(vtop, _mm512_maskz_loadu_ps(mask, s.q.data() + i));
+    const __m512 w = _mm512_maskz_loadu_ps(mask, s.w.data() + i);
+    __mmask16 in = _mm512_mask_cmp_ps_mask(mask, d, vcut, _CMP_LT_OQ) &
+                   _mm512_cmp_ps_mask(w, _mm512_setzero_ps(), _CMP_GT_OQ);
+    if (!in) continue;
+    _mm512_store_si512(b16, nucleus_bucket(d));
+    for (; in; in &= in - 1) {
+      const int l = __builtin_ctz(in);
+      s.mass[b16[l]] += s.w[i + l];
+    }
+  }
+}
+
+// The first bucket whose end reaches `threshold` (its start's mass in `before`), or -1.
+int nucleus_edge(const std::vector<double>& mass, double threshold, double& before) {
+  before = 0.0;
+  for (int b = 0; b < kNucleusBuckets; ++b) {
+    if (before + mass[b] >= threshold) return b;
+    before += mass[b];
+  }
+  return -1;
+}
+
+int64_t nucleus_draw_row(const float* row, int64_t vocab, float t, float top_p, double u, NucleusScratch& s) {
+  const float top = row_max(row, vocab) / t;  // the max of the quotients: division is monotone
+  const __m512 vt = _mm512_set1_ps(t), vtop = _mm512_set1_ps(top);
+  s.q.resize(vocab);
+  s.w.resize(vocab);
+  __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+  __m512 near[kNucleusCuts];
+  for (auto& n : near) n = _mm512_setzero_ps();
+  for (int64_t i = 0; i < vocab; i += 16) {
+    const __mmask16 mask = tail_mask(vocab - i);
+    const __m512 q = _mm512_div_ps(_mm512_maskz_loadu_ps(mask, row + i), vt);
+    const __m512 w = _mm512_maskz_mov_ps(mask, exp_nonpositive(_mm512_sub_ps(q, vtop)));
+    _mm512_mask_storeu_ps(s.q.data() + i, mask, q);
+    _mm512_mask_storeu_ps(s.w.data() + i, mask, w);
+    lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(w)));
+    hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1))));
+    const __m512 d = _mm512_sub_ps(vtop, q);
+    for (int c = 0; c < kNucleusCuts; ++c)
+      near[c] = _mm512_mask_add_ps(near[c], _mm512_cmp_ps_mask(d, _mm512_set1_ps(kNucleusCut[c]), _CMP_LT_OQ), near[c], w);
+  }
+  const double total = _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
+  const double threshold = static_cast<double>(top_p - 1e-6f) * total;  // kept_head's rounding of p - 1e-6
+  // The nearest cut whose (float32-summed, so 1% short of it to be sure) mass reaches the
+  // threshold; if rounding still leaves the histogram short of it, every token is taken.
+  float cut = std::numeric_limits<float>::infinity();
+  for (int c = 0; c < kNucleusCuts; ++c)
+    if (0.99 * _mm512_reduce_add_ps(near[c]) >= threshold) {
+      cut = kNucleusCut[c];
+      break;
+    }
+  double before;
+  nucleus_histogram(s, vocab, top, cut);
+  int edge_bucket = nucleus_edge(s.mass, threshold, before);
+  if (edge_bucket < 0 && cut != std::numeric_limits<float>::infinity()) {
+    nucleus_histogram(s, vocab, top, std::numeric_limits<float>::infinity());
+    edge_bucket = nucleus_edge(s.mass, threshold, before);
+  }
+  if (edge_bucket < 0) edge_bucket = kNucleusBuckets - 1;  // p within rounding of 1: every weighted token
+  // Every bucket before the edge is inside the nucleus, every one after it outside.
+  bucket_members(s, vocab, top, edge_bucket, s.edge);
+  size_t kept = 0;
+  double run = before;
+  while (kept < s.edge.size() && run < threshold) run += s.edge[kept++].w;
+  if (edge_bucket == 0 && kept == 0 && !s.edge.empty()) kept = 1;  // the most likely token always survives
+  double edge_mass = 0.0;
+  for (size_t k = 0; k < kept; ++k) edge_mass += s.edge[k].w;
+  const double nucleus = before + edge_mass;
+  const double target = std::min(u * nucleus, std::nextafter(nucleus, 0.0));
+  // The bucket holding the draw, then the token inside it.
+  double at = 0.0;
+  int b = 0;
+  for (; b < edge_bucket; ++b) {
+    if (at + s.mass[b] > target) break;
+    at += s.mass[b];
+  }
+  const std::vector<NucleusMember>* members = &s.edge;
+  size_t count = kept;
+  if (b < edge_bucket) {
+    bucket_members(s, vocab, top, b, s.drawn);
+    members = &s.drawn;
+    count = s.drawn.size();
+  }
+  int64_t last_positive = -1;
+  for (size_t k = 0; k < count; ++k) {
+    const NucleusMember& m = (*members)[k];
+    if (m.w <= 0.0f) continue;
+    last_positive = m.id;
+    at += m.w;
+    if (at > target) return m.id;
+  }
+  // The bucket's entry-by-entry sum can round below its bucket sum: then its last weighted token.
+  return last_positive >= 0 ? last_positive : (s.edge.empty() ? 0 : s.edge.front().id);
+}
+
+at::Tensor sample_top_p(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_p,
+                        const at::Tensor& uniforms) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "sample_top_p: logits must be 2-D float32");
+  const at::Tensor x = logits.contiguous();
+  const at::Tensor t = temperature.to(at::kFloat).contiguous(), p = top_p.to(at::kFloat).contiguous();
+  const at::Tensor u = uniforms.to(at::kDouble).contiguous();
+  const int64_t rows = x.size(0), vocab = x.size(1);
+  TORCH_CHECK(t.numel() == rows && p.numel() == rows && u.numel() == rows,
+              "sample_top_p: one temperature, top_p and uniform per row");
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float *xp = x.data_ptr<float>(), *tp = t.data_ptr<float>(), *pp = p.data_ptr<float>();
+  const double* up = u.data_ptr<double>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    NucleusScratch scratch;
+    for (int64_t r = begin; r < end; ++r) op[r] = nucleus_draw_row(xp + r * vocab, vocab, tp[r], pp[r], up[r], scratch);
+  });
+  return out;
+}
+
 #pragma GCC pop_options
 
 }  // namespace
@@ -336,6 +520,7 @@ TORCH_LIBRARY_FRAGMENT(tessera_inv, m) {
         "Tensor norm_max, Tensor norm_sum) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("sample_softmax(Tensor logits, Tensor temperature, Tensor uniforms) -> Tensor");
   m.def("softmax_normalizers(Tensor logits, Tensor temperature) -> (Tensor, Tensor)");
+  m.def("sample_top_p(Tensor logits, Tensor temperature, Tensor top_p, Tensor uniforms) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tessera_inv, CPU, m) {
@@ -343,4 +528,5 @@ TORCH_LIBRARY_IMPL(tessera_inv, CPU, m) {
   m.impl("kept_head", &kept_head);
   m.impl("sample_softmax", &sample_softmax);
   m.impl("softmax_normalizers", &softmax_normalizers);
+  m.impl("sample_top_p", &sample_top_p);
 }
