@@ -11,6 +11,7 @@ attention-metadata plan, if the backend builds one inside the forward, is listed
     python benchmarks/engine_overhead.py                       # default model, bf16, batch 32
     python benchmarks/engine_overhead.py --tiny                # a tiny random model: overhead dominates
     python benchmarks/engine_overhead.py --sampling top-p --stop "\\n\\n" --json out.json
+    python benchmarks/engine_overhead.py --sampling temperature --seeded   # the seeded race
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ def instrument(engine: LLMEngine, timer: PhaseTimer) -> None:
         invariant_cpu._kernel_plan = timer.wrap("attn plan", invariant_cpu._kernel_plan)
 
 
-def sampling_params(kind: str, output_len: int, stop: list[str]) -> SamplingParams:
-    common = dict(max_tokens=output_len, ignore_eos=True, stop=stop or None, seed=None)
+def sampling_params(kind: str, output_len: int, stop: list[str], seed: int | None = None) -> SamplingParams:
+    common = dict(max_tokens=output_len, ignore_eos=True, stop=stop or None, seed=seed)
     if kind == "greedy":
         return SamplingParams(temperature=0.0, **common)
     if kind == "temperature":
@@ -89,9 +90,10 @@ def run(args: argparse.Namespace) -> dict:
     engine = LLMEngine(config)
     timer = PhaseTimer()
     instrument(engine, timer)
-    params = sampling_params(args.sampling, args.output_len, args.stop)
     prompts = random_token_prompts(args.batch, args.input_len, engine.model_config.vocab_size, seed=1)
     for i, p in enumerate(prompts):
+        # --seeded: every request its own seed (the OpenAI API's `seed`), so the seeded race runs.
+        params = sampling_params(args.sampling, args.output_len, args.stop, seed=i if args.seeded else None)
         engine.add_request(f"overhead-{i}", p, params)
     rows: list[dict[str, float]] = []
     while engine.has_unfinished_requests():
@@ -120,6 +122,7 @@ def run(args: argparse.Namespace) -> dict:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "sampling": args.sampling,
+        "seeded": args.seeded,
         "stop": args.stop,
         "decode_steps_measured": len(rows),
         "cpu": cpu_name(),
@@ -135,6 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--seeded", action="store_true", help="give every request a seed of its own")
     ap.add_argument("--sampling", choices=("greedy", "temperature", "top-k", "top-p", "nucleus"), default="top-p",
                     help="temperature: 1.0 alone, the OpenAI API's default")
     ap.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")

@@ -157,23 +157,41 @@ def _mix32_(x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
     return x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=tmp))
 
 
-def seeded_noise(generators: Sequence[torch.Generator], vocab: int, device: torch.device) -> torch.Tensor:
+def seeded_noise(generators: Sequence[torch.Generator], vocab: int, device: torch.device,
+                 token_ids: torch.Tensor | None = None) -> torch.Tensor:
     """[len(generators), vocab] float32 Exponential(1) noise, one row per generator: each takes
     one key from its generator (two 31-bit integers, drawn on the generator's device, so a seed
     gives the same noise whichever device the logits are on), and token t's noise is -log(u),
     u = (23 bits of mix(mix(t ^ k0) ^ k1) + 0.5) / 2^23: exact integer arithmetic, so the same on
     any device and in any batch. 23 bits, not 24, so that v + 0.5 is exact in float32 and u stays
-    below 1 (with 24 the top value rounded to u = 1, noise 0: a token that always won its race)."""
+    below 1 (with 24 the top value rounded to u = 1, noise 0: a token that always won its race).
+    With `token_ids` [len(generators), W] only those tokens' noise, [len(generators), W]: the
+    race over a kept prefix needs no other (the same values as the full row's, gathered)."""
     keys = torch.stack([torch.randint(0, 2**31 - 1, (2,), generator=gen, dtype=torch.int64,
                                       device=gen.device).to(device) for gen in generators])
-    x = torch.arange(vocab, dtype=torch.int64, device=device)[None, :] ^ keys[:, :1]
+    if device.type == "cpu" and kernels.fused(torch.empty(0)) and _NATIVE_HASH:
+        # The same integers in one native pass (tessera/kernels/csrc/sampling.cpp: seeded_uniforms).
+        u = kernels.ops().seeded_uniforms(keys, token_ids, vocab)
+    else:
+        u = _hashed_uniforms(keys, vocab, device, token_ids)
+    return u.log_().neg_()
+
+
+# Whether seeded_noise takes the native hash where it can (tests turn it off to compare).
+_NATIVE_HASH = True
+
+
+def _hashed_uniforms(keys: torch.Tensor, vocab: int, device: torch.device, token_ids: torch.Tensor | None) -> torch.Tensor:
+    """seeded_noise's uniforms in torch int64 ops (every device)."""
+    ids = torch.arange(vocab, dtype=torch.int64, device=device)[None, :] if token_ids is None else token_ids
+    x = ids ^ keys[:, :1]
     tmp = torch.empty_like(x)
-    step = max(1, _HASH_CHUNK // max(vocab, 1))  # rows per pass: their int64 state stays in L2
-    for r in range(0, len(generators), step):
+    step = max(1, _HASH_CHUNK // max(x.shape[1], 1))  # rows per pass: their int64 state stays in L2
+    for r in range(0, keys.shape[0], step):
         rows, scratch = x[r : r + step], tmp[r : r + step]
         _mix32_(rows, scratch).bitwise_xor_(keys[r : r + step, 1:])
         _mix32_(rows, scratch).bitwise_right_shift_(9)
-    return x.to(torch.float32).add_(0.5).mul_(1.0 / (1 << 23)).log_().neg_()
+    return x.to(torch.float32).add_(0.5).mul_(1.0 / (1 << 23))
 
 
 # seeded_noise hashes this many tokens per pass (int64 state and scratch: 1.5 MiB).
@@ -338,8 +356,9 @@ class Sampler:
             return draw_from_prefix(prefix, self._uniforms(len(generators), device))
         token_ids = torch.empty(len(generators), dtype=torch.long, device=device)
         rows = torch.tensor(seeded, device=device)
-        noise = seeded_noise([generators[i] for i in seeded], vocab, device)
-        token_ids[rows] = race_over_prefix(_rows_of(prefix, rows), noise)
+        mine = prefix if len(seeded) == len(generators) else _rows_of(prefix, rows)
+        noise = seeded_noise([generators[i] for i in seeded], vocab, device, mine.token_ids)
+        token_ids[rows] = race_over_prefix(mine, noise)
         if len(seeded) < len(generators):
             rest = torch.tensor([i for i in range(len(generators)) if generators[i] is None], device=device)
             token_ids[rest] = draw_from_prefix(_rows_of(prefix, rest), self._uniforms(len(rest), device))

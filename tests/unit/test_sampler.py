@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from tessera import kernels
 from tessera.engine.sampler import Sampler, apply_penalties, filter_logits
 from tessera.sampling import SamplingParams
 
@@ -459,6 +460,31 @@ def test_seeded_noise_is_never_zero_even_at_the_top_hash_value(monkeypatch):
     # must still give u < 1 (float32 rounding of v + 0.5 once made it exactly 1).
     import tessera.engine.sampler as sampler_mod
 
+    monkeypatch.setattr(sampler_mod, "_NATIVE_HASH", False)  # the native hash's top value: next test
     monkeypatch.setattr(sampler_mod, "_mix32_", lambda x, tmp: x.fill_(0xFFFFFFFF))
     noise = sampler_mod.seeded_noise([torch.Generator().manual_seed(0)], 8, torch.device("cpu"))
     assert bool((noise > 0).all())
+
+
+@pytest.mark.skipif(not kernels.fused(torch.zeros(1)), reason="the native hash needs the C++ kernels and AVX-512")
+def test_native_seeded_hash_equals_the_torch_integer_ops(monkeypatch):
+    # seeded_uniforms (sampling.cpp, uint32 lanes) against _hashed_uniforms (torch int64 ops masked
+    # to 32 bits): the same integers, so the same noise, for whole rows and for chosen tokens;
+    # the chosen tokens' uniforms are exactly the whole row's, gathered.
+    import tessera.engine.sampler as sampler_mod
+
+    cpu = torch.device("cpu")
+
+    def noise(native, token_ids=None, vocab=49157):
+        monkeypatch.setattr(sampler_mod, "_NATIVE_HASH", native)
+        return sampler_mod.seeded_noise([torch.Generator().manual_seed(s) for s in range(3)], vocab, cpu, token_ids)
+
+    assert torch.equal(noise(True), noise(False))
+    ids = torch.randint(0, 49157, (3, 77), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(noise(True, ids), noise(False, ids))
+    keys = torch.tensor([[5, 9], [2**31 - 2, 0], [0, 2**31 - 2]])
+    whole = kernels.ops().seeded_uniforms(keys, None, 49157)
+    assert torch.equal(whole, sampler_mod._hashed_uniforms(keys, 49157, cpu, None))
+    assert torch.equal(kernels.ops().seeded_uniforms(keys, ids, 0), whole.gather(1, ids))
+    # u = (23 bits + 0.5) / 2^23: inside (0, 1), so the noise -log(u) is never 0.
+    assert bool((whole > 0).all()) and bool((whole < 1).all())
