@@ -66,8 +66,9 @@ def instrument(engine: LLMEngine, timer: PhaseTimer) -> None:
         invariant_cpu._kernel_plan = timer.wrap("attn plan", invariant_cpu._kernel_plan)
 
 
-def sampling_params(kind: str, output_len: int, stop: list[str], seed: int | None = None) -> SamplingParams:
-    common = dict(max_tokens=output_len, ignore_eos=True, stop=stop or None, seed=seed)
+def sampling_params(kind: str, output_len: int, stop: list[str], seed: int | None = None,
+                    min_p: float = 0.0) -> SamplingParams:
+    common = dict(max_tokens=output_len, ignore_eos=True, stop=stop or None, seed=seed, min_p=min_p)
     if kind == "greedy":
         return SamplingParams(temperature=0.0, **common)
     if kind == "temperature":
@@ -93,7 +94,8 @@ def run(args: argparse.Namespace) -> dict:
     prompts = random_token_prompts(args.batch, args.input_len, engine.model_config.vocab_size, seed=1)
     for i, p in enumerate(prompts):
         # --seeded: every request its own seed (the OpenAI API's `seed`), so the seeded race runs.
-        params = sampling_params(args.sampling, args.output_len, args.stop, seed=i if args.seeded else None)
+        params = sampling_params(args.sampling, args.output_len, args.stop, seed=i if args.seeded else None,
+                                 min_p=args.min_p)
         engine.add_request(f"overhead-{i}", p, params)
     rows: list[dict[str, float]] = []
     while engine.has_unfinished_requests():
@@ -123,6 +125,7 @@ def run(args: argparse.Namespace) -> dict:
         "output_len": args.output_len,
         "sampling": args.sampling,
         "seeded": args.seeded,
+        "min_p": args.min_p,
         "stop": args.stop,
         "decode_steps_measured": len(rows),
         "cpu": cpu_name(),
@@ -139,6 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--seeded", action="store_true", help="give every request a seed of its own")
+    ap.add_argument("--min-p", type=float, default=0.0, help="min-p on top of --sampling")
     ap.add_argument("--sampling", choices=("greedy", "temperature", "top-k", "top-p", "nucleus"), default="top-p",
                     help="temperature: 1.0 alone, the OpenAI API's default")
     ap.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")

@@ -291,14 +291,15 @@ class Sampler:
         device, (num_rows, vocab) = logits.device, logits.shape
         temperature = torch.tensor([p.temperature for p in params], device=device)
         native = native_softmax_ops(logits)
-        nucleus, filtered, plain = [], [], []
+        nucleus, top_p_kept, filtered, plain = [], [], [], []
         for i, (p, gen) in enumerate(zip(params, generators, strict=True)):
             limited = 0 < p.top_k < vocab
-            if not limited and p.top_p < 1.0 and p.min_p == 0.0 and gen is None and native:
-                nucleus.append(i)
+            if not limited and p.top_p < 1.0 and native:
+                (nucleus if p.min_p == 0.0 and gen is None else top_p_kept).append(i)
             else:
                 (filtered if limited or p.top_p < 1.0 else plain).append(i)
-        groups = ((self._sample_nucleus, nucleus), (self._sample_filtered, filtered), (self._sample_plain, plain))
+        groups = ((self._sample_nucleus, nucleus), (self._sample_top_p_kept, top_p_kept),
+                  (self._sample_filtered, filtered), (self._sample_plain, plain))
         for draw, group in groups:
             if len(group) == num_rows:
                 return draw(logits, temperature, params, generators)
@@ -317,6 +318,17 @@ class Sampler:
         same kept set and draw as _sample_filtered's, which for a flat row sorted ever wider heads."""
         top_p = torch.tensor([p.top_p for p in params], device=logits.device)
         return kernels.ops().sample_top_p(logits, temperature, top_p, self._uniforms(len(params), logits.device))
+
+    def _sample_top_p_kept(self, logits: torch.Tensor, temperature: torch.Tensor, params: Sequence[SamplingParams],
+                           generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+        """Top-p-only rows that are seeded or have min-p: the same nucleus as _sample_nucleus, as a
+        kept set in id order (sampling.cpp: top_p_kept), then the race or the inverse CDF over it.
+        The race needs no order; the unseeded draw is the same distribution in another order."""
+        device = logits.device
+        ids, weights, num_kept = kernels.ops().top_p_kept(
+            logits, temperature, torch.tensor([p.top_p for p in params], device=device),
+            torch.tensor([p.min_p for p in params], device=device))
+        return self._draw(KeptPrefix(ids, weights, num_kept), generators, logits.shape[-1], device)
 
     def _sample_filtered(self, logits: torch.Tensor, temperature: torch.Tensor, params: Sequence[SamplingParams],
                          generators: Sequence[torch.Generator | None]) -> torch.Tensor:

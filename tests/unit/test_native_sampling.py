@@ -5,6 +5,8 @@ and the sampler takes this path for temperature-only rows and keeps its torch pa
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -193,3 +195,51 @@ def test_sampler_takes_the_native_nucleus_for_unseeded_top_p_only_rows(monkeypat
     for r in (0, 6):
         ids, _ = _nucleus_reference(x[r], 0.8, params[r].top_p)
         assert out.token_ids[r] in ids.tolist()
+
+
+@pytest.mark.parametrize("vocab", [1000, 49152])
+@pytest.mark.parametrize("min_p", [0.0, 0.02, 0.3])
+def test_top_p_kept_is_the_float64_nucleus_after_min_p(vocab, min_p):
+    x, temperature, top_p = _nucleus_rows(vocab)
+    rows = x.shape[0]
+    ids, weights, num_kept = kernels.ops().top_p_kept(x, temperature, top_p, torch.full((rows,), min_p))
+    for r in range(rows):
+        nucleus, _ = _nucleus_reference(x[r], float(temperature[r]), float(top_p[r]))
+        q = (x[r] / temperature[r]).double()
+        top = float(q.max())
+        # min-p after top-p: p >= min_p * p_max, i.e. at most -log(min_p) below the maximum.
+        want = sorted(t for t in nucleus.tolist() if min_p == 0.0 or float(q[t]) - top >= math.log(min_p))
+        n = int(num_kept[r])
+        got = ids[r, :n].tolist()
+        assert got == want, (r, n, len(want))  # in id order
+        assert bool((weights[r, n:] == 0).all())
+        # Each weight is exp(q - max): a float32 exp (within 3e-7) of the float32 difference
+        # (rounded by up to half an ulp of 16 nats: 1e-6 more).
+        expected = (q[ids[r, :n]] - top).exp()
+        assert float(((weights[r, :n] - expected).abs() / expected).max()) < 2e-6
+
+
+def test_sampler_takes_the_native_kept_set_for_seeded_and_min_p_top_p_rows(monkeypatch):
+    x, _, _ = _nucleus_rows(4096)
+    calls = []
+    real = kernels.ops()
+
+    class Ops:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def top_p_kept(self, *args):
+            calls.append(args[0].shape[0])
+            return real.top_p_kept(*args)
+
+    monkeypatch.setattr(kernels, "ops", lambda: Ops())
+    n = x.shape[0]
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1), SamplingParams(temperature=0.8, top_p=0.9, min_p=0.1),
+              SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0.8, top_p=0.9, top_k=3)] * 2
+    generators = [torch.Generator().manual_seed(1) if p.seed is not None else None for p in params]
+    out = Sampler().sample(x, params, output_token_ids=[[]] * n, prompt_token_ids=[[1]] * n, generators=generators)
+    assert calls == [4]
+    for r, p in enumerate(params):
+        ids, _ = _nucleus_reference(x[r], 0.8, 0.9)
+        top3 = x[r].sort(descending=True, stable=True).indices[:3]  # ties: the lower ids
+        assert out.token_ids[r] in (top3.tolist() if p.top_k > 0 else ids.tolist())

@@ -3,6 +3,7 @@ distribution (chi-square against the renormalized reference distribution)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -249,10 +250,13 @@ def test_chi_square_detects_a_wrong_temperature():
 # ---- seeds ------------------------------------------------------------------------------------
 
 
-def test_seeded_row_independent_of_batch_composition():
+@pytest.mark.parametrize("mine", [SamplingParams(temperature=0.9, seed=42),
+                                  SamplingParams(temperature=0.9, top_p=0.8, seed=42),  # the native kept set
+                                  SamplingParams(temperature=0.9, top_p=0.8, min_p=0.05, seed=42)],
+                         ids=["temperature", "top-p", "top-p+min-p"])
+def test_seeded_row_independent_of_batch_composition(mine):
     vocab = 500
     row = torch.randn(vocab, generator=torch.Generator().manual_seed(11))
-    mine = SamplingParams(temperature=0.9, seed=42)
 
     def run(other_rows: int, other_params: SamplingParams, steps: int = 6) -> list[int]:
         gen = torch.Generator().manual_seed(42)
@@ -278,7 +282,7 @@ def test_seeded_row_independent_of_batch_composition():
     # Sanity: a different seed gives a different stream.
     gen = torch.Generator().manual_seed(43)
     other_seed = [
-        sample(row[None], [SamplingParams(temperature=0.9, seed=43)], generators=[gen]).token_ids[0] for _ in range(6)
+        sample(row[None], [dataclasses.replace(mine, seed=43)], generators=[gen]).token_ids[0] for _ in range(6)
     ]
     assert other_seed != alone
 

@@ -8,6 +8,7 @@
 //                     measured against (tessera.engine.candidates._row_normalizers)
 //   * sample_top_p:   one token per top-p-only row (no top-k, no min-p) from its nucleus, found
 //                     and drawn from by a histogram of the row's mass instead of a sorted head
+//   * top_p_kept:     the same nucleus as a kept set (id order), min-p applied: seeded and min-p rows
 //   * seeded_uniforms: the seeded race's hashed uniforms (tessera.engine.sampler.seeded_noise)
 // Rows are independent, so a row's result never depends on its batch.
 //
@@ -417,7 +418,17 @@ int nucleus_edge(const std::vector<double>& mass, double threshold, double& befo
   return -1;
 }
 
-int64_t nucleus_draw_row(const float* row, int64_t vocab, float t, float top_p, double u, NucleusScratch& s) {
+// A top-p-only row's nucleus: every bucket before `edge_bucket` is inside it, every one after it
+// outside, and of the edge bucket's members (s.edge, sorted) the first `kept`; `before` is the mass
+// of the buckets before the edge. s.q / s.w hold the row's quotients and weights.
+struct Nucleus {
+  float top;
+  int edge_bucket;
+  double before;
+  size_t kept;
+};
+
+Nucleus find_nucleus(const float* row, int64_t vocab, float t, float top_p, NucleusScratch& s) {
   const float top = row_max(row, vocab) / t;  // the max of the quotients: division is monotone
   const __m512 vt = _mm512_set1_ps(t), vtop = _mm512_set1_ps(top);
   s.q.resize(vocab);
@@ -447,35 +458,38 @@ int64_t nucleus_draw_row(const float* row, int64_t vocab, float t, float top_p, 
       cut = kNucleusCut[c];
       break;
     }
-  double before;
+  Nucleus n{top, 0, 0.0, 0};
   nucleus_histogram(s, vocab, top, cut);
-  int edge_bucket = nucleus_edge(s.mass, threshold, before);
-  if (edge_bucket < 0 && cut != std::numeric_limits<float>::infinity()) {
+  n.edge_bucket = nucleus_edge(s.mass, threshold, n.before);
+  if (n.edge_bucket < 0 && cut != std::numeric_limits<float>::infinity()) {
     nucleus_histogram(s, vocab, top, std::numeric_limits<float>::infinity());
-    edge_bucket = nucleus_edge(s.mass, threshold, before);
+    n.edge_bucket = nucleus_edge(s.mass, threshold, n.before);
   }
-  if (edge_bucket < 0) edge_bucket = kNucleusBuckets - 1;  // p within rounding of 1: every weighted token
-  // Every bucket before the edge is inside the nucleus, every one after it outside.
-  bucket_members(s, vocab, top, edge_bucket, s.edge);
-  size_t kept = 0;
-  double run = before;
-  while (kept < s.edge.size() && run < threshold) run += s.edge[kept++].w;
-  if (edge_bucket == 0 && kept == 0 && !s.edge.empty()) kept = 1;  // the most likely token always survives
+  if (n.edge_bucket < 0) n.edge_bucket = kNucleusBuckets - 1;  // p within rounding of 1: every weighted token
+  bucket_members(s, vocab, top, n.edge_bucket, s.edge);
+  double run = n.before;
+  while (n.kept < s.edge.size() && run < threshold) run += s.edge[n.kept++].w;
+  if (n.edge_bucket == 0 && n.kept == 0 && !s.edge.empty()) n.kept = 1;  // the most likely token always survives
+  return n;
+}
+
+int64_t nucleus_draw_row(const float* row, int64_t vocab, float t, float top_p, double u, NucleusScratch& s) {
+  const Nucleus n = find_nucleus(row, vocab, t, top_p, s);
   double edge_mass = 0.0;
-  for (size_t k = 0; k < kept; ++k) edge_mass += s.edge[k].w;
-  const double nucleus = before + edge_mass;
+  for (size_t k = 0; k < n.kept; ++k) edge_mass += s.edge[k].w;
+  const double nucleus = n.before + edge_mass;
   const double target = std::min(u * nucleus, std::nextafter(nucleus, 0.0));
   // The bucket holding the draw, then the token inside it.
   double at = 0.0;
   int b = 0;
-  for (; b < edge_bucket; ++b) {
+  for (; b < n.edge_bucket; ++b) {
     if (at + s.mass[b] > target) break;
     at += s.mass[b];
   }
   const std::vector<NucleusMember>* members = &s.edge;
-  size_t count = kept;
-  if (b < edge_bucket) {
-    bucket_members(s, vocab, top, b, s.drawn);
+  size_t count = n.kept;
+  if (b < n.edge_bucket) {
+    bucket_members(s, vocab, n.top, b, s.drawn);
     members = &s.drawn;
     count = s.drawn.size();
   }
@@ -509,6 +523,75 @@ at::Tensor sample_top_p(const at::Tensor& logits, const at::Tensor& temperature,
     for (int64_t r = begin; r < end; ++r) op[r] = nucleus_draw_row(xp + r * vocab, vocab, tp[r], pp[r], up[r], scratch);
   });
   return out;
+}
+
+// top_p_kept: a top-p-only row's kept tokens in id order, with their weights exp(q - max) (the
+// float32 terms the nucleus was measured with, widened), after min-p: the tokens of the nucleus
+// at most -log(min_p) nats below the maximum (p >= min_p * p_max, a prefix of the order too).
+// For the rows sample_top_p cannot draw: seeded ones (their race needs the kept set, not an
+// order) and min-p. Returns (ids [R, W] long, weights [R, W] float64, num_kept [R] long), padded
+// to the widest row (id 0, weight 0).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> top_p_kept(const at::Tensor& logits, const at::Tensor& temperature,
+                                                         const at::Tensor& top_p, const at::Tensor& min_p) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "top_p_kept: logits must be 2-D float32");
+  const at::Tensor x = logits.contiguous();
+  const at::Tensor t = temperature.to(at::kFloat).contiguous(), p = top_p.to(at::kFloat).contiguous();
+  const at::Tensor mp = min_p.to(at::kFloat).contiguous();
+  const int64_t rows = x.size(0), vocab = x.size(1);
+  TORCH_CHECK(t.numel() == rows && p.numel() == rows && mp.numel() == rows,
+              "top_p_kept: one temperature, top_p and min_p per row");
+  const float *xp = x.data_ptr<float>(), *tp = t.data_ptr<float>(), *pp = p.data_ptr<float>();
+  const float* mpp = mp.data_ptr<float>();
+  std::vector<std::vector<int64_t>> ids(rows);
+  std::vector<std::vector<float>> weights(rows);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    NucleusScratch s;
+    for (int64_t r = begin; r < end; ++r) {
+      const Nucleus n = find_nucleus(xp + r * vocab, vocab, tp[r], pp[r], s);
+      // The edge bucket's last kept member, in the order: a member is kept when it is not after it.
+      const bool edge_kept = n.kept > 0;
+      const float q_last = edge_kept ? s.edge[n.kept - 1].q : 0.0f;
+      const int64_t id_last = edge_kept ? s.edge[n.kept - 1].id : -1;
+      const float d_max = mpp[r] > 0.0f ? -std::log(mpp[r]) : std::numeric_limits<float>::infinity();
+      const __m512 vtop = _mm512_set1_ps(n.top);
+      auto& out_ids = ids[r];
+      auto& out_w = weights[r];
+      for (int64_t i = 0; i < vocab; i += 16) {
+        const __mmask16 mask = tail_mask(vocab - i);
+        const __m512 d = _mm512_sub_ps(vtop, _mm512_maskz_loadu_ps(mask, s.q.data() + i));
+        const __m512i bucket = nucleus_bucket(d);
+        __mmask16 in = _mm512_mask_cmp_epi32_mask(mask, bucket, _mm512_set1_epi32(n.edge_bucket), _MM_CMPINT_LE) &
+                       _mm512_cmp_ps_mask(d, _mm512_set1_ps(d_max), _CMP_LE_OQ);
+        const __mmask16 at_edge = _mm512_cmpeq_epi32_mask(bucket, _mm512_set1_epi32(n.edge_bucket));
+        for (; in; in &= in - 1) {
+          const int l = __builtin_ctz(in);
+          const int64_t j = i + l;
+          const float q = s.q[j];
+          if (((at_edge >> l) & 1) && !(edge_kept && (q > q_last || (q == q_last && j <= id_last))))
+            continue;  // in the edge bucket, after its last kept member
+          out_ids.push_back(j);
+          out_w.push_back(s.w[j]);
+        }
+      }
+      if (out_ids.empty()) {  // min-p below every nucleus token cannot happen (d = 0 for the top); NaN rows
+        out_ids.push_back(s.edge.empty() ? 0 : s.edge.front().id);
+        out_w.push_back(1.0f);
+      }
+    }
+  });
+  int64_t width = 1;
+  for (const auto& v : ids) width = std::max<int64_t>(width, static_cast<int64_t>(v.size()));
+  auto out_ids = at::zeros({rows, width}, x.options().dtype(at::kLong));
+  auto out_w = at::zeros({rows, width}, x.options().dtype(at::kDouble));
+  auto num_kept = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t *oi = out_ids.data_ptr<int64_t>(), *nk = num_kept.data_ptr<int64_t>();
+  double* ow = out_w.data_ptr<double>();
+  for (int64_t r = 0; r < rows; ++r) {
+    std::copy(ids[r].begin(), ids[r].end(), oi + r * width);
+    std::copy(weights[r].begin(), weights[r].end(), ow + r * width);
+    nk[r] = static_cast<int64_t>(ids[r].size());
+  }
+  return {out_ids, out_w, num_kept};
 }
 
 // seeded_uniforms: tessera.engine.sampler.seeded_noise's uniforms, u = (23 bits of
@@ -576,6 +659,7 @@ TORCH_LIBRARY_FRAGMENT(tessera_inv, m) {
   m.def("softmax_normalizers(Tensor logits, Tensor temperature) -> (Tensor, Tensor)");
   m.def("sample_top_p(Tensor logits, Tensor temperature, Tensor top_p, Tensor uniforms) -> Tensor");
   m.def("seeded_uniforms(Tensor keys, Tensor? ids, int vocab) -> Tensor");
+  m.def("top_p_kept(Tensor logits, Tensor temperature, Tensor top_p, Tensor min_p) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tessera_inv, CPU, m) {
@@ -585,4 +669,5 @@ TORCH_LIBRARY_IMPL(tessera_inv, CPU, m) {
   m.impl("softmax_normalizers", &softmax_normalizers);
   m.impl("sample_top_p", &sample_top_p);
   m.impl("seeded_uniforms", &seeded_uniforms);
+  m.impl("top_p_kept", &top_p_kept);
 }
