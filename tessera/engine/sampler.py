@@ -30,6 +30,7 @@ kept tokens, which costs nothing per vocabulary entry. Greedy rows draw nothing.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -69,24 +70,33 @@ def apply_penalties(
     Repetition (HF/vLLM): every token seen in the prompt or output has a positive logit divided
     by the penalty and a negative one multiplied by it. Presence and frequency (OpenAI): subtract
     `presence` once for every token in the output and `frequency` times its output count.
+
+    Only the seen tokens change, so only they are computed (a token never seen keeps its logit
+    exactly, as x / 1, x * 1 and x - 0 would give): the [R, V] formula cost ~10 passes over the
+    logits, 15 ms of a 32-row step; here a copy of the logits plus work on the seen tokens.
     """
-    vocab = logits.shape[-1]
-    counts = _token_counts(output_token_ids, vocab, logits.device)
-    seen = (_token_counts(prompt_token_ids, vocab, logits.device) > 0) | (counts > 0)
-    scale = torch.where(seen, repetition_penalty[:, None], 1.0)
-    logits = torch.where(logits > 0, logits / scale, logits * scale)
-    return logits - frequency_penalty[:, None] * counts - presence_penalty[:, None] * (counts > 0)
+    rows, vocab = logits.shape
+    device = logits.device
+    out_keys, out_counts = _row_keys(output_token_ids, vocab, device).unique(return_counts=True)
+    seen = torch.cat([_row_keys(prompt_token_ids, vocab, device), out_keys]).unique()  # sorted row * vocab + id
+    counts = torch.zeros(seen.shape, device=device)
+    counts[torch.searchsorted(seen, out_keys)] = out_counts.to(counts.dtype)
+    row = seen // vocab  # index_select, not [] indexing: several times faster on CPU
+    x = logits.reshape(-1).index_select(0, seen)
+    scale = repetition_penalty.index_select(0, row)
+    x = torch.where(x > 0, x / scale, x * scale)
+    x = x - frequency_penalty.index_select(0, row) * counts - presence_penalty.index_select(0, row) * (counts > 0)
+    penalized = logits.clone()
+    penalized.view(-1).scatter_(0, seen, x)
+    return penalized
 
 
-def _token_counts(token_ids: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """How often each token id occurs in each row: [R, V] float32."""
-    counts = torch.zeros(len(token_ids), vocab + 1, device=device)
-    width = max((len(ids) for ids in token_ids), default=0)
-    if width:
-        # Pad with the spare column `vocab`, which is dropped afterwards.
-        padded = torch.tensor([list(ids) + [vocab] * (width - len(ids)) for ids in token_ids], device=device)
-        counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device))
-    return counts[:, :vocab]
+def _row_keys(token_ids: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """Every (row, token) occurrence as row * vocab + token: one flat int64 tensor."""
+    lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64)
+    flat = torch.tensor(list(itertools.chain.from_iterable(token_ids)), dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(len(token_ids)), lengths)
+    return (rows * vocab + flat).to(device)
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -240,24 +250,25 @@ class Sampler:
         if token_mask is not None:
             logits = apply_bitmask(logits, token_mask.bitmask, token_mask.rows)
 
-        penalized = [i for i, p in enumerate(params) if p.uses_penalties]
+        penalized = {i for i, p in enumerate(params) if p.uses_penalties}
         if penalized:
-            rows = torch.tensor(penalized, device=device)
-            new_rows = apply_penalties(
-                logits[rows],
-                [prompt_token_ids[i] for i in penalized],
-                [output_token_ids[i] for i in penalized],
+            # Every row in one call, the others with no tokens (so untouched): a gather of the
+            # penalized rows and a put back were two more copies of the logits.
+            logits = apply_penalties(
+                logits,
+                [ids if i in penalized else () for i, ids in enumerate(prompt_token_ids)],
+                [ids if i in penalized else () for i, ids in enumerate(output_token_ids)],
                 *(
-                    torch.tensor([getattr(params[i], name) for i in penalized], device=device)
+                    torch.tensor([getattr(p, name) for p in params], device=device)
                     for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")
                 ),
             )
-            logits = logits.index_put((rows,), new_rows)
         logits = _mask_stop_tokens_before_min_tokens(logits, params, output_token_ids, set(eos_token_ids))
 
         wants_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         if wants_logprobs:
-            raw_logprobs = logits[torch.tensor(wants_logprobs, device=device)].log_softmax(-1)
+            every = len(wants_logprobs) == num_rows  # then no gathered copy of the rows first
+            raw_logprobs = (logits if every else logits[torch.tensor(wants_logprobs, device=device)]).log_softmax(-1)
 
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         # Every step above returns a new tensor when it changes anything: the same one means the
@@ -276,7 +287,7 @@ class Sampler:
 
         logprobs: list[TokenLogprobs | None] = [None] * num_rows
         if wants_logprobs:
-            sampled = token_ids[torch.tensor(wants_logprobs, device=device)]
+            sampled = token_ids if every else token_ids[torch.tensor(wants_logprobs, device=device)]
             counts = [params[i].logprobs for i in wants_logprobs]
             for i, entry in zip(wants_logprobs, _gather_logprobs(raw_logprobs, sampled, counts), strict=True):
                 logprobs[i] = entry

@@ -330,6 +330,31 @@ def test_apply_penalties_matches_naive_reference(repetition, presence, frequency
         assert torch.allclose(got[r], torch.tensor(want), atol=1e-5)
 
 
+def test_apply_penalties_equals_the_dense_formula_at_vocabulary_scale():
+    # The formula over every [R, V] entry (a token never seen gets scale 1 and count 0) against
+    # the sparse version, bit for bit: long prompts with repeats, a masked token, an empty row.
+    gen = torch.Generator().manual_seed(3)
+    rows, vocab = 4, 49152
+    logits = torch.randn(rows, vocab, generator=gen) * 4
+    logits[1, 100] = float("-inf")
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (300, 50, 0, 1)]
+    outputs = [torch.randint(0, 200, (n,), generator=gen).tolist() for n in (120, 7, 0, 0)]
+    outputs[1] += [100, 100]
+    rep, pres, freq = torch.tensor([1.1, 0.8, 1.3, 1.0]), torch.tensor([0.5, -0.2, 0.0, 1.0]), torch.tensor([0.3, 1.0, 0.0, -1.0])
+    counts = torch.zeros(rows, vocab)
+    seen = torch.zeros(rows, vocab, dtype=torch.bool)
+    for r in range(rows):
+        for t in outputs[r]:
+            counts[r, t] += 1
+        seen[r, prompts[r] + outputs[r]] = True
+    scale = torch.where(seen, rep[:, None], 1.0)
+    dense = torch.where(logits > 0, logits / scale, logits * scale)
+    dense = dense - freq[:, None] * counts - pres[:, None] * (counts > 0)
+    got = apply_penalties(logits, prompts, outputs, rep, pres, freq)
+    assert torch.equal(got, dense)
+    assert not torch.equal(got, logits)  # the penalties did something
+
+
 def test_penalties_through_sampler_only_touch_their_rows():
     gen = torch.Generator().manual_seed(6)
     vocab = 30
