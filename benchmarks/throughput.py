@@ -29,8 +29,8 @@ KERNEL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::lin
 make_prompts = random_token_prompts
 
 
-def run_tessera(llm: LLM, prompts: list[list[int]], output_len: int) -> float:
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+def run_tessera(llm: LLM, prompts: list[list[int]], output_len: int, sampling: dict | None = None) -> float:
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, **(sampling or {"temperature": 0.0}))
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -100,6 +100,9 @@ def main() -> None:
                     help="run the (slow) one-at-a-time baseline on this many requests and scale to N")
     ap.add_argument("--static-batch", type=int, default=8)
     ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--temperature", type=float, default=0.0, help="Tessera's sampling (0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=None, help="one seed for every request")
     ap.add_argument("--out", default="results/throughput.json")
     args = ap.parse_args()
     if args.num_threads:
@@ -109,8 +112,10 @@ def main() -> None:
               max_num_seqs=args.max_num_seqs, num_threads=args.num_threads)
     vocab = llm.engine.model_config.vocab_size
     prompts = make_prompts(args.num_requests, args.input_len, vocab, seed=0)
-    run_tessera(llm, prompts[:2], 4)  # warm-up
-    elapsed = run_tessera(llm, prompts, args.output_len)
+    # --temperature/--top-p/--seed: the sampling a client sends (the README's example: 0.7, 0.9, 0)
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
+    run_tessera(llm, prompts[:2], 4, sampling)  # warm-up
+    elapsed = run_tessera(llm, prompts, args.output_len, sampling)
     n_in, n_out = args.num_requests * args.input_len, args.num_requests * args.output_len
     rows = [("tessera", elapsed, 1.0)]
     breakdown = [decode_step_breakdown(llm, b, args.input_len) for b in (1, min(32, args.num_requests))]

@@ -12,8 +12,8 @@ strictly higher logprob, so tied tokens share the better rank.
 
 Top-k and top-p never sort the whole vocabulary: tessera.engine.candidates finds each row's
 kept tokens from a torch.topk fetch of its head, with exactly the semantics of `filter_logits`
-(the full-sort reference, which the speculative verifier still uses). Unseeded top-p-only rows
-(no top-k, no min-p) on CPUs with AVX-512 take one native op instead (`_sample_nucleus`): a
+(the full-sort reference, which the speculative verifier still uses). Top-p-only rows (no
+top-k) on CPUs with AVX-512 take native ops instead (`_sample_nucleus`, `_sample_top_p_kept`): a
 nucleus of thousands of tokens made that fetch widen to the whole row.
 
 Randomness: a seeded request (a row with its own torch.Generator) draws by an exponential
@@ -92,11 +92,14 @@ def apply_penalties(
 
 
 def _row_keys(token_ids: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """Every (row, token) occurrence as row * vocab + token: one flat int64 tensor."""
+    """Every (row, token) occurrence as row * vocab + token: one flat int64 tensor. A token id
+    past the logits' vocabulary (a tokenizer larger than the lm_head) has no logit to penalize:
+    it is left out rather than landing on the next row's."""
     lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64)
     flat = torch.tensor(list(itertools.chain.from_iterable(token_ids)), dtype=torch.int64)
     rows = torch.repeat_interleave(torch.arange(len(token_ids)), lengths)
-    return (rows * vocab + flat).to(device)
+    inside = (flat >= 0) & (flat < vocab)
+    return (rows[inside] * vocab + flat[inside]).to(device)
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

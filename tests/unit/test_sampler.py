@@ -353,6 +353,9 @@ def test_apply_penalties_equals_the_dense_formula_at_vocabulary_scale():
     got = apply_penalties(logits, prompts, outputs, rep, pres, freq)
     assert torch.equal(got, dense)
     assert not torch.equal(got, logits)  # the penalties did something
+    # A token id past the vocabulary (a tokenizer larger than the lm_head) touches no logit.
+    beyond = apply_penalties(logits, [p + [vocab, vocab + 5] for p in prompts], outputs, rep, pres, freq)
+    assert torch.equal(beyond, dense)
 
 
 def test_penalties_through_sampler_only_touch_their_rows():
