@@ -145,6 +145,8 @@ class LLMEngine:
         # here (outside the scheduler) until its grammar is ready, never the step.
         self.structured = StructuredOutputManager(config.structured_outputs_backend, self.tokenizer.hf,
                                                   mc.vocab_size, self.eos_token_ids)
+        # A CPU step holds every core: masks are filled before it, not beside it (manager.fill_on_worker).
+        self.structured.fill_on_worker = self.runner.device.type != "cpu"
         self._awaiting_grammar: list[tuple[list[Sequence], Future]] = []
         self._requests: dict[str, _RequestState] = {}
         self._generators: dict[int, torch.Generator] = {}
@@ -311,7 +313,7 @@ class LLMEngine:
                 break
             num_decodes += 1
         step = self.runner.prepare(scheduled, num_decodes, spec_tokens)
-        # Grammar masks are filled on a worker thread while the model step runs.
+        # Grammar masks: filled on a worker thread while a GPU step runs, at once before a CPU one.
         mask_future = self.structured.fill_async([s.seq_id for s in step.sample_seqs], spec_tokens)
         # The lm_head's kernel finds each row's argmax on the way where a row samples greedily
         # (not for a speculative step: verification compares its own rows).

@@ -207,6 +207,23 @@ def test_speculative_masks_follow_the_grammar_after_each_proposal(engine):
     manager.forget(-2)
 
 
+def test_a_cpu_engine_fills_masks_at_once_and_the_same_as_the_worker(engine, monkeypatch):
+    """On the CPU the model step's threads hold every core, so the engine fills a step's masks in
+    its own thread before the step (done on return), the same bits the mask thread gives."""
+    manager = engine.structured
+    assert engine.runner.device.type == "cpu" and manager.fill_on_worker is False
+    compiled = manager.compile(StructuredOutputsParams(regex=r"ab(c|d)+e")).result()
+    manager.add_sequence(-3, compiled)
+    try:
+        at_once = manager.fill_async([-3, 7], None)  # seq 7 has no matcher: its row stays free
+        assert at_once.done()
+        monkeypatch.setattr(manager, "fill_on_worker", True)
+        worker = manager.fill_async([-3, 7], None).result()
+    finally:
+        manager.forget(-3)
+    assert torch.equal(at_once.result().bitmask, worker.bitmask) and torch.equal(at_once.result().rows, worker.rows)
+
+
 @pytest.mark.parametrize("sampled", [False, True])
 def test_ngram_speculation_with_constraints_gives_the_same_tokens(tiny_model_dir, sampled):
     # Arrays of objects repeat their keys, so n-gram lookup proposes tokens the grammar forces.
