@@ -30,6 +30,25 @@ def _rows(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, temperature
 
 
+def _count_calls(monkeypatch, op_name: str) -> list[int]:
+    """Spy on one native op: every call appends its logits' row count to the returned list."""
+    calls: list[int] = []
+    real = kernels.ops()
+    original = getattr(real, op_name)
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return original(*args)
+
+    class Ops:
+        def __getattr__(self, name):
+            return counted if name == op_name else getattr(real, name)
+
+    ops = Ops()
+    monkeypatch.setattr(kernels, "ops", lambda: ops)
+    return calls
+
+
 @pytest.mark.parametrize("vocab", [1000, 4097, 49152])
 def test_draw_is_the_float64_inverse_cdf(vocab):
     x, temperature = _rows(vocab)
@@ -52,20 +71,7 @@ def test_draw_is_the_float64_inverse_cdf(vocab):
 
 def test_sampler_uses_the_native_draw_for_temperature_only_rows(monkeypatch):
     x, _ = _rows(4096)
-    calls = []
-    real = kernels.ops()
-    original = real.sample_softmax
-
-    class Ops:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def sample_softmax(self, *args):
-            calls.append(args[0].shape[0])
-            return original(*args)
-
-    ops = Ops()
-    monkeypatch.setattr(kernels, "ops", lambda: ops)
+    calls = _count_calls(monkeypatch, "sample_softmax")
     sampler = Sampler()
     n = x.shape[0]
     common = dict(output_token_ids=[[]] * n, prompt_token_ids=[[1]] * n)
@@ -164,19 +170,7 @@ def test_top_p_draw_equals_the_sorting_path():
 
 def test_sampler_takes_the_native_nucleus_for_unseeded_top_p_only_rows(monkeypatch):
     x, _, _ = _nucleus_rows(4096)
-    calls = []
-    real = kernels.ops()
-
-    class Ops:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def sample_top_p(self, *args):
-            calls.append(args[0].shape[0])
-            return real.sample_top_p(*args)
-
-    ops = Ops()
-    monkeypatch.setattr(kernels, "ops", lambda: ops)
+    calls = _count_calls(monkeypatch, "sample_top_p")
     sampler = Sampler()
     n = x.shape[0]
     common = dict(output_token_ids=[[]] * n, prompt_token_ids=[[1]] * n)
@@ -221,18 +215,7 @@ def test_top_p_kept_is_the_float64_nucleus_after_min_p(vocab, min_p):
 
 def test_sampler_takes_the_native_kept_set_for_seeded_and_min_p_top_p_rows(monkeypatch):
     x, _, _ = _nucleus_rows(4096)
-    calls = []
-    real = kernels.ops()
-
-    class Ops:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def top_p_kept(self, *args):
-            calls.append(args[0].shape[0])
-            return real.top_p_kept(*args)
-
-    monkeypatch.setattr(kernels, "ops", lambda: Ops())
+    calls = _count_calls(monkeypatch, "top_p_kept")
     n = x.shape[0]
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1), SamplingParams(temperature=0.8, top_p=0.9, min_p=0.1),
               SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0.8, top_p=0.9, top_k=3)] * 2
