@@ -295,7 +295,11 @@ class LLMEngine:
     def _step(self, started: float) -> list[RequestOutput]:
         if self._pending_imports:
             self._admit_imports()
-        lookahead = self.spec.plan(self.scheduler.running) if self.spec is not None else None
+        # A handoff sequence leaves after its first token: speculating for it here would draw
+        # tokens (and a seeded request's noise keys) that the handoff does not carry.
+        lookahead = None
+        if self.spec is not None:
+            lookahead = self.spec.plan([s for s in self.scheduler.running if not self._requests[s.request_id].handoff])
         out = self.scheduler.schedule(lookahead)
         self.runner.swap_blocks(out.swap_out, out.swap_in)  # before anything writes the freed blocks
         scheduled = [(s.seq, s.num_new_tokens) for s in out.scheduled]
