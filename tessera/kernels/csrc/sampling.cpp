@@ -237,6 +237,24 @@ inline void for_each_weight(const float* row, int64_t lo, int64_t hi, float mx, 
   }
 }
 
+// A row's quotients q = x / t (float32, as torch's division rounds them) and weights
+// exp(q - top) (top: the max of the quotients), 16 at a time, each block handed to f(i, mask, q, w);
+// returns the weights' sum in float64. softmax_normalizers' terms and the nucleus ops' are these.
+template <typename F>
+inline double for_each_quotient_weight(const float* row, int64_t vocab, float t, float top, F&& f) {
+  const __m512 vt = _mm512_set1_ps(t), vtop = _mm512_set1_ps(top);
+  __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+  for (int64_t i = 0; i < vocab; i += 16) {
+    const __mmask16 mask = tail_mask(vocab - i);
+    const __m512 q = _mm512_div_ps(_mm512_maskz_loadu_ps(mask, row + i), vt);
+    const __m512 w = _mm512_maskz_mov_ps(mask, exp_nonpositive(_mm512_sub_ps(q, vtop)));
+    lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(w)));
+    hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1))));
+    f(i, mask, q, w);
+  }
+  return _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
+}
+
 // One row's draw: the first token whose float64 cumulative weight exceeds u x the total, always
 // one of weight > 0. Chunk sums first (float32 inside a chunk, float64 across), then the chunk
 // that holds the target is summed again entry by entry.
@@ -312,19 +330,9 @@ std::tuple<at::Tensor, at::Tensor> softmax_normalizers(const at::Tensor& logits,
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = xp + r * vocab;
-      const __m512 vt = _mm512_set1_ps(tp[r]);
       const float top = row_max(row, vocab) / tp[r];  // = the max of the quotients: division is monotone
-      const __m512 vtop = _mm512_set1_ps(top);
-      __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
-      for (int64_t i = 0; i < vocab; i += 16) {
-        const __mmask16 mask = tail_mask(vocab - i);
-        const __m512 q = _mm512_div_ps(_mm512_maskz_loadu_ps(mask, row + i), vt);
-        const __m512 w = _mm512_maskz_mov_ps(mask, exp_nonpositive(_mm512_sub_ps(q, vtop)));
-        lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(w)));
-        hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1))));
-      }
       mp[r] = top;
-      sp[r] = _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
+      sp[r] = for_each_quotient_weight(row, vocab, tp[r], top, [](int64_t, __mmask16, __m512, __m512) {});
     }
   });
   return {maxima, sums};
@@ -430,25 +438,18 @@ struct Nucleus {
 
 Nucleus find_nucleus(const float* row, int64_t vocab, float t, float top_p, NucleusScratch& s) {
   const float top = row_max(row, vocab) / t;  // the max of the quotients: division is monotone
-  const __m512 vt = _mm512_set1_ps(t), vtop = _mm512_set1_ps(top);
+  const __m512 vtop = _mm512_set1_ps(top);
   s.q.resize(vocab);
   s.w.resize(vocab);
-  __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
   __m512 near[kNucleusCuts];
   for (auto& n : near) n = _mm512_setzero_ps();
-  for (int64_t i = 0; i < vocab; i += 16) {
-    const __mmask16 mask = tail_mask(vocab - i);
-    const __m512 q = _mm512_div_ps(_mm512_maskz_loadu_ps(mask, row + i), vt);
-    const __m512 w = _mm512_maskz_mov_ps(mask, exp_nonpositive(_mm512_sub_ps(q, vtop)));
+  const double total = for_each_quotient_weight(row, vocab, t, top, [&](int64_t i, __mmask16 mask, __m512 q, __m512 w) {
     _mm512_mask_storeu_ps(s.q.data() + i, mask, q);
     _mm512_mask_storeu_ps(s.w.data() + i, mask, w);
-    lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(w)));
-    hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1))));
     const __m512 d = _mm512_sub_ps(vtop, q);
     for (int c = 0; c < kNucleusCuts; ++c)
       near[c] = _mm512_mask_add_ps(near[c], _mm512_cmp_ps_mask(d, _mm512_set1_ps(kNucleusCut[c]), _CMP_LT_OQ), near[c], w);
-  }
-  const double total = _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
+  });
   const double threshold = static_cast<double>(top_p - 1e-6f) * total;  // kept_head's rounding of p - 1e-6
   // The nearest cut whose (float32-summed, so 1% short of it to be sure) mass reaches the
   // threshold; if rounding still leaves the histogram short of it, every token is taken.
