@@ -78,6 +78,31 @@ def test_linear_matches_reference_and_is_row_invariant(dtype, arithmetic, shape,
     assert wide.dtype == torch.float32 and torch.equal(wide, layer(x).float())
 
 
+@pytest.mark.parametrize(("dtype", "arithmetic"), LINEAR_CASES)
+@pytest.mark.parametrize("threads", [2, 3, 8, 16])
+def test_linear_bits_do_not_depend_on_the_thread_count(dtype, arithmetic, threads, monkeypatch):
+    # The AVX-512 kernel splits C into rows x column blocks by the thread count (at 8 threads a
+    # 64-column linear of 300 rows takes 2 row shares x 4 column shares, at 2 one column share
+    # each): who computes a row must not change its bits. 1 thread is the reference.
+    monkeypatch.setattr(linear, "BF16_ARITHMETIC", arithmetic)
+    gen = torch.Generator().manual_seed(threads)
+    before = torch.get_num_threads()
+    for n, k, m in [(64, 96, 300), (1728, 576, 33), (40, 70, 7), (576, 576, 1)]:
+        weight = torch.randn(n, k, generator=gen).to(dtype)
+        layer = InvariantLinear(weight)
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        try:
+            torch.set_num_threads(1)
+            alone = layer(x)
+            torch.set_num_threads(threads)
+            split = layer(x)
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(split, alone), (n, k, m)
+        ref = F.linear(x.double(), weight.double())
+        assert ((split.double() - ref).abs() / ref.abs().max()).max() < (1e-4 if dtype == torch.float32 else 8e-3)
+
+
 def _naive_attention(q, k_cache, v_cache, slots, scale):
     """q [H, d] attending to the cache rows `slots` (float64, exact softmax)."""
     h, d = q.shape

@@ -145,8 +145,10 @@ inline void store_row_bf16_as_f32(const float* c, const float* bias, float* out,
 // VDPBF16PS chain over the K pairs 0, 1, ... in order, from zero. Nothing a lane computes depends
 // on R, C or where the tile sits, so a row's result is the same in any batch; the tile shape only
 // decides how many loads each multiply shares (C weight vectors per pair, one broadcast per row).
+// Never inlined: inside avx512_gemm's loops GCC spilled the short tail tile's accumulators (the
+// 2-row tile of a 32-row linear took twice as long there, 8% of the linear).
 template <int R, int C>
-void dp_tile(const at::BFloat16* a, int64_t lda, const at::BFloat16* b, int64_t b_block, int64_t pairs,
+__attribute__((noinline)) void dp_tile(const at::BFloat16* a, int64_t lda, const at::BFloat16* b, int64_t b_block, int64_t pairs,
              const float* bias, at::BFloat16* out, float* out_f32, int64_t ldo, int64_t cols,
              ArgmaxChunk* chunk, int64_t row0, int64_t col0) {
   __m512 acc[R][C];
@@ -194,38 +196,71 @@ void dp_rows(int rows, const at::BFloat16* a, int64_t lda, const at::BFloat16* b
 
 constexpr int kTileRows = 6, kTileBlocks = 4, kTaskRows = 96;  // 24 accumulators + 4 weight vectors
 
+// How avx512_gemm splits C over `threads`: `row_shares` x `col_shares` parts of equal size (to a
+// 6-row tile and a 16-column block), the split with the smallest largest part, fewest row shares
+// on a tie (each row share reads the weights again). On 2 threads every linear of the default
+// model is split by columns: 18 / 18 blocks of a 576-column one, at 1, 32 or 256 rows.
+struct GemmSplit {
+  int64_t row_shares, col_shares, tiles_per_share;
+};
+
+GemmSplit split_gemm(int64_t m, int64_t blocks, int64_t threads, int64_t tile_rows) {
+  const int64_t tiles = (m + tile_rows - 1) / tile_rows;
+  GemmSplit best{1, std::max<int64_t>(1, std::min(threads, blocks)), tiles};
+  int64_t best_cost = -1;
+  for (int64_t r = 1; r <= std::min(threads, tiles); ++r) {
+    const int64_t c = std::max<int64_t>(1, std::min(threads / r, blocks));
+    const int64_t per = (tiles + r - 1) / r, cost = per * ((blocks + c - 1) / c);
+    if (best_cost < 0 || cost < best_cost) best = {r, c, per}, best_cost = cost;
+  }
+  return best;
+}
+
 // C[M, N] = A[M, K] x B (the AMX kernel's VNNI packing: for 16 columns and a K pair, one zmm).
-// Tasks are (4 column blocks) x (96 rows); inside, 6-row tiles stream the task's weights from
-// L2 (the first tile from memory), each over all of K.
+// Each thread takes one part of split_gemm (a run of rows x a run of 16-column blocks) and walks
+// it in tasks of 4 blocks x 96 rows; inside, 6-row tiles stream the task's weights from L2 (the
+// first tile from memory), each over all of K. Parts of equal size, because tasks of unequal cost
+// dealt out by count left a thread idle: (96-row task) x (4 blocks) tasks went 13 / 14, 22 / 23
+// and 72 / 72 to 2 threads at a 256-token prefill, and the thread holding the short last row
+// task waited 8-22% of each linear (libgomp's barrier took 13% of a prefill's samples); at 32
+// rows the 9 tasks of a 576-column linear went 4 / 5.
 void avx512_gemm(const at::BFloat16* a, int64_t lda, const at::BFloat16* b, const float* bias, at::BFloat16* out,
-                 float* out_f32, int64_t m, int64_t n, int64_t np, int64_t pairs, int64_t kp,
-                 ArgmaxCollector* argmax) {
-  const int64_t b_block = (kp / 2) * 32;
-  const int64_t col_tasks = (np / 16 + kTileBlocks - 1) / kTileBlocks, row_tasks = (m + kTaskRows - 1) / kTaskRows;
-  at::parallel_for(0, col_tasks * row_tasks, 1, [&](int64_t begin, int64_t end) {
-    std::unique_ptr<ArgmaxChunk> chunk(argmax ? new ArgmaxChunk(m) : nullptr);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t cb = (t % col_tasks) * kTileBlocks, r_end = std::min(m, (t / col_tasks + 1) * kTaskRows);
-      const int64_t col0 = cb * 16;
-      if (col0 >= n) continue;
-      const int64_t cols = std::min<int64_t>(n - col0, kTileBlocks * 16);
-      const int blocks = static_cast<int>((cols + 15) / 16);
-      const at::BFloat16* bt = b + cb * b_block;
-      const float* bs = bias ? bias + col0 : nullptr;
-      for (int64_t r0 = (t / col_tasks) * kTaskRows; r0 < r_end; r0 += kTileRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, r_end - r0));
-        const at::BFloat16* ar = a + r0 * lda;
-        at::BFloat16* o = out ? out + r0 * n + col0 : nullptr;
-        float* of = out_f32 ? out_f32 + r0 * n + col0 : nullptr;
-        switch (blocks) {
-          case 4: dp_rows<4>(rows, ar, lda, bt, b_block, pairs, bs, o, of, n, cols, chunk.get(), r0, col0); break;
-          case 3: dp_rows<3>(rows, ar, lda, bt, b_block, pairs, bs, o, of, n, cols, chunk.get(), r0, col0); break;
-          case 2: dp_rows<2>(rows, ar, lda, bt, b_block, pairs, bs, o, of, n, cols, chunk.get(), r0, col0); break;
-          default: dp_rows<1>(rows, ar, lda, bt, b_block, pairs, bs, o, of, n, cols, chunk.get(), r0, col0); break;
+                 float* out_f32, int64_t m, int64_t n, int64_t pairs, int64_t kp, ArgmaxCollector* argmax) {
+  const int64_t b_block = (kp / 2) * 32, blocks = (n + 15) / 16;
+  const GemmSplit split = split_gemm(m, blocks, at::get_num_threads(), kTileRows);
+  at::parallel_for(0, split.row_shares * split.col_shares, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t part = begin; part < end; ++part) {
+      const int64_t share = part % split.col_shares;
+      const int64_t b0 = share * blocks / split.col_shares, b1 = (share + 1) * blocks / split.col_shares;
+      const int64_t m0 = part / split.col_shares * split.tiles_per_share * kTileRows;
+      const int64_t m1 = std::min(m, m0 + split.tiles_per_share * kTileRows);
+      if (b0 >= b1 || m0 >= m1) continue;
+      std::unique_ptr<ArgmaxChunk> chunk(argmax ? new ArgmaxChunk(m) : nullptr);
+      for (int64_t r_task = m0; r_task < m1; r_task += kTaskRows) {
+        const int64_t r_end = std::min(m1, r_task + kTaskRows);
+        for (int64_t cb = b0; cb < b1; cb += kTileBlocks) {
+          const int64_t col0 = cb * 16;
+          const int blocks_here = static_cast<int>(std::min<int64_t>(kTileBlocks, b1 - cb));
+          const int64_t cols = std::min<int64_t>(n - col0, blocks_here * 16);
+          const at::BFloat16* bt = b + cb * b_block;
+          const float* bs = bias ? bias + col0 : nullptr;
+          for (int64_t r0 = r_task; r0 < r_end; r0 += kTileRows) {
+            const int rows = static_cast<int>(std::min<int64_t>(kTileRows, r_end - r0));
+            const at::BFloat16* ar = a + r0 * lda;
+            at::BFloat16* o = out ? out + r0 * n + col0 : nullptr;
+            float* of = out_f32 ? out_f32 + r0 * n + col0 : nullptr;
+            switch (blocks_here) {
+              case 4: dp_rows<4>(rows, ar, lda, bt, b_block, pairs, bs, o, of, n, cols, chunk.get(), r0, col0); break;
+              case 3: dp_rows<3>(rows, ar, lda, bt, b_block, pairs, bs, o, of, n, cols, chunk.get(), r0, col0); break;
+              case 2: dp_rows<2>(rows, ar, lda, bt, b_block, pairs, bs, o, of, n, cols, chunk.get(), r0, col0); break;
+              default: dp_rows<1>(rows, ar, lda, bt, b_block, pairs, bs, o, of, n, cols, chunk.get(), r0, col0); break;
+            }
+          }
         }
       }
+      // Keyed by the first column block: a row's parts then merge in column order (first maximum).
+      if (chunk) argmax->add(b0, *chunk);
     }
-    if (chunk) argmax->add(begin, *chunk);
   });
 }
 
@@ -255,7 +290,7 @@ at::Tensor avx512_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   if (bias.has_value() && bias->defined()) bias_f = bias->to(at::kFloat).contiguous();
   if (m > 0)
     avx512_gemm(a_ptr, lda, packed.data_ptr<at::BFloat16>(), bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
-                f32_out ? nullptr : out.data_ptr<at::BFloat16>(), f32_out ? out.data_ptr<float>() : nullptr, m, n, np,
+                f32_out ? nullptr : out.data_ptr<at::BFloat16>(), f32_out ? out.data_ptr<float>() : nullptr, m, n,
                 pairs, kp, argmax);
   auto shape = x.sizes().vec();
   shape.back() = n;
