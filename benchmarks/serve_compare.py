@@ -44,9 +44,12 @@ METRICS = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "
 def server_command(engine: str, port: int, args) -> tuple[list[str], dict[str, str]]:
     env = env_for(engine, args.threads)
     port = str(port)
-    if engine == "tessera":
-        return [sys.executable, "-m", "tessera.cli", "serve", args.model, "--dtype", args.dtype, "--port", port,
-                "--served-model-name", NAME, "--uvicorn-log-level", "warning"], env
+    if engine.startswith("tessera"):
+        cmd = [sys.executable, "-m", "tessera.cli", "serve", args.model, "--dtype", args.dtype, "--port", port,
+               "--served-model-name", NAME, "--uvicorn-log-level", "warning"]
+        if engine == "tessera-autopilot":  # the same server, its chunk budget sized to an ITL objective
+            cmd += ["--autopilot", "--slo-itl-ms", str(args.slo_itl_ms)]
+        return cmd, env
     return [str(VLLM_PYTHON), str(VLLM_CLI), "serve", args.hf_folder, "--dtype", args.dtype, "--port", port,
             "--served-model-name", NAME, "--max-model-len", "1024", "--seed", "0", "--uvicorn-log-level",
             "warning"], env
@@ -196,25 +199,24 @@ def _ratio(a: dict, b: dict, key: str) -> str:
 def print_table(results: dict, offline: list, args) -> None:
     print(f"\n{args.model}, --dtype {args.dtype}; vllm bench serve: random {args.input_len} in x {args.output_len} "
           f"out, {args.num_prompts} prompts per run; {args.threads} threads, {cpu_name()}")
-    print(f"{'engine':8s} {'rate':>5s} {'out tok/s':>9s} {'TTFT ms':>8s} {'p99':>7s} {'TPOT ms':>8s} {'p99':>7s} "
+    print(f"{'engine':17s} {'rate':>5s} {'out tok/s':>9s} {'TTFT ms':>8s} {'p99':>7s} {'TPOT ms':>8s} {'p99':>7s} "
           f"{'ITL ms':>7s} {'p99':>7s}")
     for engine, r in results.items():
         if not r.get("ok"):
-            print(f"{engine:8s} failed: {r.get('error', '?')[:120]}")
+            print(f"{engine:17s} failed: {r.get('error', '?')[:120]}")
         for m in r.get("runs", []):
-            print(f"{engine:8s} {m['rate']:>5s} {m['output_throughput']:9.1f} {m['mean_ttft_ms']:8.1f} "
+            print(f"{engine:17s} {m['rate']:>5s} {m['output_throughput']:9.1f} {m['mean_ttft_ms']:8.1f} "
                   f"{m['p99_ttft_ms']:7.1f} {m['mean_tpot_ms']:8.1f} {m['p99_tpot_ms']:7.1f} {m['mean_itl_ms']:7.1f} "
                   f"{m['p99_itl_ms']:7.1f}")
-    t, v = results.get("tessera", {}).get("runs", []), results.get("vllm", {}).get("runs", [])
-    by_seed = {m["seed"]: m for m in v}
-    if t and v:
-        print("\nTessera / vLLM, each run against the other engine's run at the same rate and minute "
+    by_seed = {m["seed"]: m for m in results.get("vllm", {}).get("runs", [])}
+    for engine in (e for e in results if e.startswith("tessera") and by_seed):
+        print(f"\n{engine} / vLLM, each run against the other engine's run at the same rate and minute "
               "(targets: tok/s >= 1.5x, TPOT and ITL p99 <= 0.67x)")
-        for a in t:
+        for a in results[engine].get("runs", []):
             if (b := by_seed.get(a["seed"])) is not None:
                 print(f"  rate {a['rate']:>4s}: tok/s {_ratio(a, b, 'output_throughput')}, TPOT "
                       f"{_ratio(a, b, 'mean_tpot_ms')}, ITL p99 {_ratio(a, b, 'p99_itl_ms')}")
-    inf = [m for m in t if m["rate"] == "inf"]
+    inf = [m for m in results.get("tessera", {}).get("runs", []) if m["rate"] == "inf"]
     for a, o in zip(inf, offline, strict=False):
         print(f"  Tessera's server at rate inf / its offline engine right after: "
               f"{a['output_throughput'] / o['output_throughput']:.0%} ({a['output_throughput']:.1f} vs "
@@ -226,7 +228,9 @@ def print_table(results: dict, offline: list, args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engines", default="tessera,vllm")
+    ap.add_argument("--engines", default="tessera,vllm",
+                    help="tessera, tessera-autopilot (--autopilot --slo-itl-ms), vllm; comma-separated")
+    ap.add_argument("--slo-itl-ms", type=float, default=200.0, help="tessera-autopilot's ITL objective")
     ap.add_argument("--model", default="smollm2-135m-instruct", help="Tessera's model (vLLM loads --hf-folder)")
     ap.add_argument("--hf-folder", default=str(COMPETITORS / "models" / "smollm2-135m-f32"),
                     help="the transformers folder of the same weights (make_hf_folder.py): vLLM's model and "
