@@ -9,6 +9,7 @@ writes JSON. Compare GB/s with a copy's bandwidth (benchmarks/roofline.py).
 
     /tmp/tools/quiet python benchmarks/linears.py --rows 1,16,32,64
     /tmp/tools/quiet python benchmarks/linears.py --rows 1,8,32,256,512 --against-onednn
+    python benchmarks/linears.py --rows 32,256 --per-shape   # also each kind of linear alone (layer 0's)
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--against-onednn", action="store_true",
                     help="also time F.linear (oneDNN / MKL) on weights of the same shapes, alternating per repeat")
+    ap.add_argument("--per-shape", action="store_true",
+                    help="also time layer 0's qkv, o, gate_up, down and the lm_head alone (median us per call; a "
+                         "layer's weights then stay in cache)")
     ap.add_argument("--out", default=str(HERE / "results" / "linears.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -85,10 +89,32 @@ def main() -> None:
             r["onednn_ms_median"] = statistics.median(onednn_times) * 1e3
             line += f"  F.linear {r['onednn_ms_median']:7.2f} ms ({r['onednn_ms_median'] / r['ms_median']:.2f}x)"
         print(line, flush=True)
+        if args.per_shape:
+            r["per_shape_us"] = per_shape(weights[:4] + weights[-1:], ["qkv", "o", "gate_up", "down", "lm_head"], m,
+                                          dtype, args.repeats)
+            print("        " + "  ".join(f"{k} {v:.0f} us" for k, v in r["per_shape_us"].items()), flush=True)
     out = dict(cpu=cpu_name(), threads=args.threads, dtype=args.dtype,
                weight_bytes=weight_bytes, results=rows)
     Path(args.out).write_text(json.dumps(out, indent=2))
     print(f"wrote {args.out}")
+
+
+def per_shape(weights, names, m: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
+    """Median microseconds of each linear called alone on an m-row input (after 5 warm calls)."""
+    from tessera.model.layers import linear
+
+    result = {}
+    for name, w in zip(names, weights, strict=True):
+        x = torch.randn(m, w.in_features if hasattr(w, "in_features") else w.shape[1], dtype=dtype)
+        for _ in range(5):
+            linear(x, w)
+        times = []
+        for _ in range(repeats * 5):
+            start = time.perf_counter()
+            linear(x, w)
+            times.append(time.perf_counter() - start)
+        result[name] = statistics.median(times) * 1e6
+    return result
 
 
 if __name__ == "__main__":
