@@ -773,6 +773,18 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void int4_row_tile(
   }
 }
 
+// The small-row paths' tasks: the column pairs [0, nbk / 2) in one even, contiguous share per
+// thread (at::parallel_for's split), each share walked two pairs (four 16-column blocks) at a
+// time; `tile(nb0, blocks)` gets blocks 4, or 2 for an odd share's last pair. Two-pair groups
+// dealt out by count went 4 / 5 to two threads for a 576-column weight (9 groups): the o and down
+// projections of a one-row decode ran on the longer share's time.
+template <typename Tile>
+void for_pair_groups(int64_t nbk, const Tile& tile) {
+  at::parallel_for(0, nbk / 2, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; p += 2) tile(2 * p, p + 2 <= p1 ? 4 : 2);
+  });
+}
+
 // Every output of an INT4 weight without AMX. Up to 3 rows: two column pairs per task, with bf16
 // activations each weight row made in a register as it is used (int4_rows_direct), with float32
 // ones each K step's four tiles made in an L1 buffer (read twice, for hi and lo); more rows: one
@@ -785,39 +797,27 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void int4_avx512(
   int4_group_sums(a_hi, a_lo, m, w.kp, w.groups, sums.data());
   const float* sp = sums.data();
   if (m <= 3 && !a_lo) {
-    at::parallel_for(0, (nbk / 2 + 1) / 2, 1, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g) {
-        if (4 * g + 4 <= nbk)
-          int4_direct_tile<4>(m, w, 4 * g, a_hi, sp, out, dtype);
-        else
-          int4_direct_tile<2>(m, w, 4 * g, a_hi, sp, out, dtype);
-      }
+    for_pair_groups(nbk, [&](int64_t nb0, int blocks) {
+      if (blocks == 4)
+        int4_direct_tile<4>(m, w, nb0, a_hi, sp, out, dtype);
+      else
+        int4_direct_tile<2>(m, w, nb0, a_hi, sp, out, dtype);
     });
     return;
   }
   if (m <= 3) {
-    at::parallel_for(0, (nbk / 2 + 1) / 2, 1, [&](int64_t g0, int64_t g1) {
+    for_pair_groups(nbk, [&](int64_t nb0, int blocks) {
       alignas(64) uint16_t buf[4 * 512];
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t nb0 = 4 * g;
-        if (nb0 + 4 <= nbk) {
-          auto tiles = [&](int64_t ks, const uint16_t** t) {
-            for (int b = 0; b < 4; ++b) {
-              int4_codes_tile(w, nb0 + b, ks, buf + b * 512);
-              t[b] = buf + b * 512;
-            }
-          };
-          int4_row_tile<4>(m, w, nb0, 0, a_hi, a_lo, sp, tiles, out, dtype);
-        } else {
-          auto tiles = [&](int64_t ks, const uint16_t** t) {
-            for (int b = 0; b < 2; ++b) {
-              int4_codes_tile(w, nb0 + b, ks, buf + b * 512);
-              t[b] = buf + b * 512;
-            }
-          };
-          int4_row_tile<2>(m, w, nb0, 0, a_hi, a_lo, sp, tiles, out, dtype);
+      auto tiles = [&](int64_t ks, const uint16_t** t) {
+        for (int b = 0; b < blocks; ++b) {
+          int4_codes_tile(w, nb0 + b, ks, buf + b * 512);
+          t[b] = buf + b * 512;
         }
-      }
+      };
+      if (blocks == 4)
+        int4_row_tile<4>(m, w, nb0, 0, a_hi, a_lo, sp, tiles, out, dtype);
+      else
+        int4_row_tile<2>(m, w, nb0, 0, a_hi, a_lo, sp, tiles, out, dtype);
     });
     return;
   }
@@ -878,26 +878,22 @@ at::Tensor run(const at::Tensor& x, const Weight& w, int64_t nbk) {
     return out;
   }
   if (!amx && m <= kSmallRows && !a_lo && (fmt == kInt8 || fmt == kQ8_0)) {
-    at::parallel_for(0, (nbk / 2 + 1) / 2, 1, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g) {
-        if (4 * g + 4 <= nbk)
-          q8_direct_tile<4>(m, w, 4 * g, a_hi, outp, dtype);
-        else
-          q8_direct_tile<2>(m, w, 4 * g, a_hi, outp, dtype);
-      }
+    for_pair_groups(nbk, [&](int64_t nb0, int blocks) {
+      if (blocks == 4)
+        q8_direct_tile<4>(m, w, nb0, a_hi, outp, dtype);
+      else
+        q8_direct_tile<2>(m, w, nb0, a_hi, outp, dtype);
     });
     return out;
   }
   if (!amx && m <= kSmallRows) {
-    // Two column pairs per task (four blocks; the last task may hold one pair).
-    at::parallel_for(0, (nbk / 2 + 1) / 2, 1, [&](int64_t g0, int64_t g1) {
+    // Two column pairs per task (four blocks; a share's last task may hold one pair).
+    for_pair_groups(nbk, [&](int64_t nb0, int blocks) {
       alignas(64) uint16_t buf[8 * 512];
-      for (int64_t g = g0; g < g1; ++g) {
-        if (4 * g + 4 <= nbk)
-          small_rows<4>(m, w, 4 * g, a_hi, a_lo, w_lo, buf, outp, dtype);
-        else
-          small_rows<2>(m, w, 4 * g, a_hi, a_lo, w_lo, buf, outp, dtype);
-      }
+      if (blocks == 4)
+        small_rows<4>(m, w, nb0, a_hi, a_lo, w_lo, buf, outp, dtype);
+      else
+        small_rows<2>(m, w, nb0, a_hi, a_lo, w_lo, buf, outp, dtype);
     });
     return out;
   }
