@@ -27,7 +27,8 @@
 // On CPUs with AMX, bf16 caches take a second fixed arithmetic (amx_attend_item below: scores and
 // P.V as tile products over 256-key chunks); every row of every call on such a CPU takes it, so
 // the contract holds there too. Without AMX but with AVX-512 BF16 (Zen 4/5) the scores of bf16
-// rows come from bf16 pairs instead (score_rows_dp), again for every row on such a CPU. `amx` = 0
+// rows come from bf16 pairs instead (score_rows_dp), and P.V too (pv_rows_dp: probabilities
+// rounded to bf16, as on AMX), again for every row on such a CPU. `amx` = 0
 // keeps the fp32 AVX-512 arithmetic, 1 / 2 require AMX / the pairs (tests run all three).
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -413,6 +414,60 @@ inline void pv_rows(float* const* acc, const float* const* p, const float* corr,
   }
 }
 
+// P.V of the pair arithmetic (bf16 cache and q, CPUs with AVX-512 BF16, head_dim a multiple of
+// 32): the tile's probabilities rounded to bf16 (nearest even), as the AMX arithmetic rounds
+// them, and summed two keys at a time with VDPBF16PS: per lane d, acc += p[j] v[j][d] + p[j+1]
+// v[j+1][d] for the key pairs (j, j + 1) = (0, 1), (2, 3), ... in order, as the instruction
+// defines the pair's sum. The pairs' words come from two V rows with a shift and a bit select
+// each; the accumulators keep pv_rows' layout (per 32 d: the 16 even d, then the 16 odd d). A key
+// no row of the tile reads (outside [j0, j1)) contributes a zero row, never a load. Half the
+// multiply instructions of pv_rows: the decode's P.V had been two thirds of the tile's FMAs.
+template <int D, int NR>
+inline void pv_rows_dp(float* const* acc, const float* const* p, const float* corr, const at::BFloat16* vc,
+                       const int64_t* off, int j0, int j1) {
+#if defined(__AVX512BF16__)
+  constexpr int kVec = D / 16;
+  constexpr int kGroup = kVec * NR <= 20 ? kVec : (kVec % 4 == 0 ? 4 : 2);
+  static_assert(kVec % kGroup == 0 && kGroup % 2 == 0, "pv_rows_dp: passes take whole 32-d chunks");
+  uint32_t pw[NR][kLanes / 2];  // each row's probabilities as bf16 words (p[2m], p[2m + 1])
+  for (int r = 0; r < NR; ++r) {
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(p[r]));
+    std::memcpy(pw[r], &h, sizeof(pw[r]));
+  }
+  const __m512i low_half = _mm512_set1_epi32(0xFFFF);
+  const int m0 = j0 / 2, m1 = (j1 + 1) / 2;
+  for (int c = 0; c < D; c += 16 * kGroup) {
+    __m512 a[NR][kGroup];
+    for (int r = 0; r < NR; ++r)
+      for (int u = 0; u < kGroup; ++u) {
+        a[r][u] = _mm512_loadu_ps(acc[r] + c + 16 * u);
+        if (corr[r] != 1.f) a[r][u] = _mm512_mul_ps(a[r][u], _mm512_set1_ps(corr[r]));
+      }
+    for (int m = m0; m < m1; ++m) {
+      const int j = 2 * m;  // j < j1 and j + 1 >= j0 by the pair range
+      const at::BFloat16* v0 = j >= j0 ? vc + off[j] + c : nullptr;
+      const at::BFloat16* v1 = j + 1 < j1 ? vc + off[j + 1] + c : nullptr;
+      for (int u = 0; u < kGroup; u += 2) {
+        const __m512i x = v0 ? _mm512_loadu_si512(v0 + 16 * u) : _mm512_setzero_si512();
+        const __m512i y = v1 ? _mm512_loadu_si512(v1 + 16 * u) : _mm512_setzero_si512();
+        // 0xE4: low_half ? first : second, bit by bit.
+        const __m512bh even = (__m512bh)_mm512_ternarylogic_epi32(x, _mm512_slli_epi32(y, 16), low_half, 0xE4);
+        const __m512bh odd = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(x, 16), y, low_half, 0xE4);
+        for (int r = 0; r < NR; ++r) {
+          const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[r][m]));
+          a[r][u] = _mm512_dpbf16_ps(a[r][u], even, pp);
+          a[r][u + 1] = _mm512_dpbf16_ps(a[r][u + 1], odd, pp);
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int u = 0; u < kGroup; ++u) _mm512_storeu_ps(acc[r] + c + 16 * u, a[r][u]);
+  }
+#else
+  (void)acc, (void)p, (void)corr, (void)vc, (void)off, (void)j0, (void)j1;
+#endif
+}
+
 // Online-softmax step of one row over its valid lanes [j0, j1) of a tile: new running max,
 // the rescale factor of what was accumulated, the tile's probabilities into p.
 inline float softmax_step(v16f s, int j0, int j1, float& mx, float& den, float* p) {
@@ -727,7 +782,10 @@ inline void attend_rows(Workspace& ws, int64_t r, const float* kT, float scale, 
     score_rows<D, NR>(qr, kT, sc);
   }
   for (int u = 0; u < NR; ++u) corr[u] = softmax_step(sc[u], j0, j1, ws.mx[r + u], ws.den[r + u], pr[u]);
-  pv_rows<C, D, NR>(ar, pc, corr, vc, off, vscale, j0, j1);
+  if constexpr (Pairs && std::is_same_v<C, at::BFloat16>)
+    pv_rows_dp<D, NR>(ar, pc, corr, vc, off, j0, j1);
+  else
+    pv_rows<C, D, NR>(ar, pc, corr, vc, off, vscale, j0, j1);
 }
 
 // ---- The AMX arithmetic for a work item (bf16 caches, head_dim a multiple of 32, CPUs with
