@@ -90,8 +90,9 @@ def main() -> None:
             line += f"  F.linear {r['onednn_ms_median']:7.2f} ms ({r['onednn_ms_median'] / r['ms_median']:.2f}x)"
         print(line, flush=True)
         if args.per_shape:
-            r["per_shape_us"] = per_shape(weights[:4] + weights[-1:], ["qkv", "o", "gate_up", "down", "lm_head"], m,
-                                          dtype, args.repeats)
+            kinds = zip(["qkv", "o", "gate_up", "down", "lm_head"], weights[:4] + weights[-1:], shapes[:4] + shapes[-1:],
+                        strict=True)
+            r["per_shape_us"] = per_shape(kinds, m, dtype, args.repeats)
             print("        " + "  ".join(f"{k} {v:.0f} us" for k, v in r["per_shape_us"].items()), flush=True)
     out = dict(cpu=cpu_name(), threads=args.threads, dtype=args.dtype,
                weight_bytes=weight_bytes, results=rows)
@@ -99,13 +100,14 @@ def main() -> None:
     print(f"wrote {args.out}")
 
 
-def per_shape(weights, names, m: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
-    """Median microseconds of each linear called alone on an m-row input (after 5 warm calls)."""
+def per_shape(kinds, m: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
+    """Median microseconds of each (name, weight, (n, k)) linear called alone on an m-row input
+    (after 5 warm calls)."""
     from tessera.model.layers import linear
 
     result = {}
-    for name, w in zip(names, weights, strict=True):
-        x = torch.randn(m, w.in_features if hasattr(w, "in_features") else w.shape[1], dtype=dtype)
+    for name, w, (_, k) in kinds:
+        x = torch.randn(m, k, dtype=dtype)
         for _ in range(5):
             linear(x, w)
         times = []
