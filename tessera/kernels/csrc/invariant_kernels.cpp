@@ -207,7 +207,7 @@ void dp_rows(int rows, const at::BFloat16* a, int64_t lda, const at::BFloat16* b
 
 constexpr int kTileRows = 6, kTileBlocks = 4, kTaskRows = 96;  // 24 accumulators + 4 weight vectors
 // Row tasks of at most this many tiles (48 rows) prefetch the next weights (avx512_gemm). More
-// rows gain nothing: a 64-row step no faster, 256 rows 1-2% slower (Zen 4, model 17).
+// rows gain nothing: a 64-row step no faster, 256 rows 1-5% slower (Zen 4, model 17).
 constexpr int64_t kPrefetchTiles = 8;
 
 // How avx512_gemm splits C over `threads`: `row_shares` x `col_shares` parts of equal size (to a
