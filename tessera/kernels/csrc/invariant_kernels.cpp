@@ -190,10 +190,8 @@ void dp_rows(int rows, const at::BFloat16* a, int64_t lda, const at::BFloat16* b
              const float* bias, at::BFloat16* out, float* out_f32, int64_t ldo, int64_t cols,
              ArgmaxChunk* chunk, int64_t row0, int64_t col0, const char* pf, int64_t pf_lines) {
 #define TESSERA_DP_TILE(R)                                                                                  \
-  (pf_lines > 0 ? dp_tile<R, C, true>(a, lda, b, b_block, pairs, bias, out, out_f32, ldo, cols, chunk, row0, col0, \
-                                      pf, pf_lines)                                                          \
-                : dp_tile<R, C, false>(a, lda, b, b_block, pairs, bias, out, out_f32, ldo, cols, chunk, row0, col0, \
-                                       nullptr, 0))
+  (pf_lines > 0 ? dp_tile<R, C, true> : dp_tile<R, C, false>)(a, lda, b, b_block, pairs, bias, out, out_f32, ldo, \
+                                                               cols, chunk, row0, col0, pf, pf_lines)
   switch (rows) {
     case 6: TESSERA_DP_TILE(6); break;
     case 5: TESSERA_DP_TILE(5); break;
@@ -252,6 +250,8 @@ void avx512_gemm(const at::BFloat16* a, int64_t lda, const at::BFloat16* b, cons
       std::unique_ptr<ArgmaxChunk> chunk(argmax ? new ArgmaxChunk(m) : nullptr);
       for (int64_t r_task = m0; r_task < m1; r_task += kTaskRows) {
         const int64_t r_end = std::min(m1, r_task + kTaskRows);
+        const int64_t tiles = (r_end - r_task + kTileRows - 1) / kTileRows;
+        const bool prefetch_next = tiles >= 2 && tiles <= kPrefetchTiles;  // see below
         for (int64_t cb = b0; cb < b1; cb += kTileBlocks) {
           const int64_t col0 = cb * 16;
           const int blocks_here = static_cast<int>(std::min<int64_t>(kTileBlocks, b1 - cb));
@@ -263,12 +263,11 @@ void avx512_gemm(const at::BFloat16* a, int64_t lda, const at::BFloat16* b, cons
           // bandwidth idles: those later tiles prefetch the run of blocks this thread reads
           // next (its next 4 blocks, or its first again for the next row task), an equal slice
           // each, so the next task's first tile finds its weights in L2 too.
-          const int64_t tiles = (r_end - r_task + kTileRows - 1) / kTileRows;
-          int64_t next_cb = cb + kTileBlocks < b1 ? cb + kTileBlocks : (r_end < m1 ? b0 : -1);
-          if (tiles < 2 || tiles > kPrefetchTiles) next_cb = -1;
+          int64_t next_cb = -1;  // none
+          if (prefetch_next) next_cb = cb + kTileBlocks < b1 ? cb + kTileBlocks : (r_end < m1 ? b0 : -1);
           const char* next_w = next_cb < 0 ? nullptr : reinterpret_cast<const char*>(b + next_cb * b_block);
-          const int64_t next_lines =
-              next_cb < 0 ? 0 : std::min<int64_t>(kTileBlocks, b1 - next_cb) * b_block * 2 / 64;
+          const int64_t next_lines = next_cb < 0 ? 0
+              : std::min<int64_t>(kTileBlocks, b1 - next_cb) * b_block * static_cast<int64_t>(sizeof(at::BFloat16)) / 64;
           for (int64_t r0 = r_task; r0 < r_end; r0 += kTileRows) {
             const int rows = static_cast<int>(std::min<int64_t>(kTileRows, r_end - r0));
             const at::BFloat16* ar = a + r0 * lda;
