@@ -142,7 +142,10 @@ def _metadata(decode_tables, decode_ctx, spans, block_size):
 @pytest.mark.parametrize("heads", [(4, 2, 16), (9, 3, 64), (4, 1, 32), (6, 2, 80)])
 @pytest.mark.parametrize("block_size", [4, 16, 32])
 @pytest.mark.parametrize("arithmetic", ARITHMETICS)
-def test_paged_attention_matches_softmax_formula(dtype, heads, block_size, arithmetic, monkeypatch):
+# q as the model passes it: the query heads of the fused qkv output, rows (H + 2 Hkv) * d apart,
+# which the kernel reads in place.
+@pytest.mark.parametrize("q_view", [False, True])
+def test_paged_attention_matches_softmax_formula(dtype, heads, block_size, arithmetic, q_view, monkeypatch):
     h, hkv, d = heads
     _use_arithmetic(monkeypatch, arithmetic, dtype == torch.bfloat16 and d % 32 == 0)
     gen = torch.Generator().manual_seed(1)
@@ -159,7 +162,8 @@ def test_paged_attention_matches_softmax_formula(dtype, heads, block_size, arith
         cursor += need(c)
     md = _metadata(tables[:3], decode_ctx, [(t, c, n) for t, (c, n) in zip(tables[3:], spans, strict=True)], block_size)
     num_tokens = md.num_tokens
-    q = torch.randn(num_tokens, h, d, generator=gen).to(dtype)
+    q = torch.randn(num_tokens, h + 2 * hkv if q_view else h, d, generator=gen).to(dtype)[:, :h]
+    assert q.is_contiguous() != q_view
     k_new = k_cache[md.slot_mapping].clone()  # write what is there: the cache stays as generated
     v_new = v_cache[md.slot_mapping].clone()
     backend = InvariantCPUAttention()

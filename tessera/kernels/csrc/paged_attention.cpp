@@ -1111,6 +1111,7 @@ template <typename T>
 void run(const at::Tensor& q, const Problem& pb, AttendFn attend, const int32_t* seq_idx, const int32_t* ctx,
          double scale, at::Tensor& out) {
   const int64_t t = q.size(0), h = q.size(1), d = q.size(2);
+  const int64_t qs = q.stride(0);  // a token's row: its heads are contiguous, tokens may be further apart
   const int g = pb.g;
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
@@ -1170,7 +1171,7 @@ void run(const at::Tensor& q, const Problem& pb, AttendFn attend, const int32_t*
               for (int col = 0; col < 16; ++col) {
                 const int64_t n = nb * 16 + col, t = n / g;
                 rv[col] = t < it.tq ? load16(reinterpret_cast<const float*>(
-                                          qp + ((it.first + t) * h + kvh * g + n % g) * d + ks * 32))
+                                          qp + (it.first + t) * qs + (kvh * g + n % g) * d + ks * 32))
                                     : v16f{};
               }
               transpose16(rv);
@@ -1182,7 +1183,7 @@ void run(const at::Tensor& q, const Problem& pb, AttendFn attend, const int32_t*
         for (int64_t t = 0; t < it.tq; ++t)
           for (int64_t head = head0; head < head1; ++head) {
             const int64_t kvh = head / g, n = t * g + head % g, nb = n / 16, col = n % 16;
-            const T* src = qp + ((it.first + t) * h + head) * d;
+            const T* src = qp + (it.first + t) * qs + head * d;
             at::BFloat16* tile = ws.bq.data() + (kvh * ws.nbt + nb) * ksteps * 512;
             for (int64_t i = 0; i < d; ++i)
               tile[(i / 32) * 512 + ((i % 32) / 2) * 32 + col * 2 + i % 2] = static_cast<at::BFloat16>(src[i]);
@@ -1193,12 +1194,13 @@ void run(const at::Tensor& q, const Problem& pb, AttendFn attend, const int32_t*
       // only set for bf16 q, so other instantiations never copy.
       if constexpr (std::is_same_v<T, at::BFloat16>) {
         ws.qw.resize(static_cast<size_t>(rows) * d / 2);
-        std::memcpy(ws.qw.data(), qp + it.first * h * d, static_cast<size_t>(rows) * d * sizeof(T));
+        for (int64_t t = 0; t < it.tq; ++t)
+          std::memcpy(ws.qw.data() + t * h * d / 2, qp + (it.first + t) * qs, static_cast<size_t>(h) * d * sizeof(T));
       }
     } else {
       ws.q.resize(static_cast<size_t>(rows) * d);
       for (int64_t r = 0; r < rows; ++r) {  // row t * H + head is q[first + t, head]
-        const T* src = qp + (it.first * h + r) * d;
+        const T* src = qp + (it.first + r / h) * qs + (r % h) * d;
         float* dst = ws.q.data() + r * d;
         for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]) * fscale;
       }
@@ -1253,7 +1255,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     TORCH_CHECK(ks.numel() == k_cache.size(0) * hkv && vs.numel() == ks.numel(),
                 "paged_attention: scales must be [slots, Hkv, 1]");
   }
-  auto qc = q.contiguous();
+  // q is read a token's [H, d] row at a time: a view into the fused qkv output (rows further
+  // apart than H * d) is read in place, without the copy q.contiguous() would make every call.
+  auto qc = q.stride(2) == 1 && q.stride(1) == d && q.stride(0) >= h * d ? q : q.contiguous();
   auto tables = block_tables.to(at::kInt).contiguous();
   auto seqs = seq_idx.to(at::kInt).contiguous();
   auto ctx = ctx_len.to(at::kInt).contiguous();
