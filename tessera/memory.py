@@ -1,21 +1,9 @@
 """Large, long-lived CPU buffers (the packed weights, the KV cache): fresh anonymous memory.
 
 A buffer from here is an anonymous `mmap`: the kernel hands out zero pages on first touch, so
-nothing is written when it is made, and packing a model's weights into an arena one by one never
-holds a second copy.
-
-The KV pool is then faulted in at start-up (`prefault`), as vLLM zero-fills its cache: left to
-fault on first use, every block a run took for the first time cost a page fault inside the step
-that wrote it (`write_kv`), and a pool hands out never-used blocks before it evicts cached
-prefixes, so a fresh engine paid them run after run until its whole pool had been used once.
-Measured on the default engine (AMD EPYC Zen 4, KVM guest, session 20): 66k faults per offline
-run of 32 x 256 -> 128 (the 270 MB of blocks it takes), 0.13 s of `write_kv` when the guest's
-pages were warm, and the same run 9.1-9.7 s against 10.2-10.8 s (11% slower) when they were not.
-`MADV_POPULATE_WRITE` faults the pages in without writing them a second time: 4 GiB in 1.2-4.8
-s on this VM (it varies from run to run, as the faults inside the steps did). It runs on the
-engine's thread: on a thread beside the weights' packing, whose OpenMP regions use both cores,
-every region waited for the descheduled thread (start-up 6.2 -> 10.2 s). So start-up grows by
-the pool's fault time, and the pool is resident from then on (RSS includes it, as vLLM's).
+nothing is written at start-up (the 186k-token KV pool of the default engine, 4.3 GB, was a 1.3 s
+memset and 4.3 GB of resident memory before the first request) and a pool is resident only as far
+as it has been used.
 
 `huge=True` also asks for transparent huge pages. A decode step streams every weight from DRAM;
 on 4 KiB pages that walk misses the TLB about every page and the hardware prefetchers stop at
@@ -33,10 +21,8 @@ too (a step's logits), whose faults cost more than they save (a 6 MiB copy went 
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import sys
-import time
 
 import torch
 
@@ -108,29 +94,3 @@ class Arena:
         out = self._buffer[self._at : self._at + nbytes].view(dtype).view(shape)
         self._at += -(-nbytes // self.ALIGN) * self.ALIGN
         return out
-
-
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable, without writing them
-
-
-def _populate(address: int, nbytes: int) -> bool:
-    """MADV_POPULATE_WRITE over [address, address + nbytes); False where the kernel refuses it."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise(address, nbytes, _MADV_POPULATE_WRITE) == 0
-
-
-def prefault(tensor: torch.Tensor) -> float:
-    """Fault in the whole CPU buffer `tensor` is a view of (an arena's: every tensor it handed
-    out), contents unchanged; returns the seconds it took. Off Linux or off the CPU, buffers are
-    torch's, already written: nothing to do."""
-    if tensor.device.type != "cpu" or not sys.platform.startswith("linux"):
-        return 0.0
-    storage = tensor.untyped_storage()
-    start = time.perf_counter()
-    # An arena's mapping starts on a page. Where the advice is refused (a kernel before 5.14, or a
-    # small buffer of torch's, not page-aligned and written already) adding zero to every byte
-    # writes each page, which faults it in too, at the cost of a pass over the buffer.
-    if not _populate(storage.data_ptr(), storage.nbytes()):
-        torch.empty(0, dtype=torch.uint8).set_(storage).add_(0)
-    return time.perf_counter() - start

@@ -13,7 +13,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from tessera import memory
 from tessera.attention.cascade import shared_prefix_len
 from tessera.attention.metadata import AttentionMetadata, PrefillSpan
 from tessera.engine.request import Sequence
@@ -68,11 +67,6 @@ class ModelRunner:
         self.num_blocks = num_blocks
         # Per layer (k, v), or (k codes, v codes, k scales, v scales) for --kv-cache-dtype int8/fp8.
         self.kv_caches = allocate_kv_cache(model, num_blocks, block_size, kv_cache_dtype)
-        # The pool's pages faulted in now, not in the steps that first write them (memory.py says why).
-        seconds = memory.prefault(self.kv_caches[0][0])
-        if seconds > 0.5:
-            logger.info("KV cache: %.2f GB faulted in (%.1f s)", self.kv_caches[0][0].untyped_storage().nbytes() / 1e9,
-                        seconds)
         # The host KV tier (--swap-space): same layout, blocks copied in and out by swap_blocks.
         self.host_kv = HostKVCache(self.kv_caches, num_host_blocks, block_size) if num_host_blocks else None
         self._block_offsets = torch.arange(block_size, dtype=torch.long)

@@ -3,7 +3,6 @@ huge-page buffers advised on their 2 MiB-aligned part."""
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import sys
@@ -70,33 +69,3 @@ def test_arena_hands_out_disjoint_aligned_zero_tensors():
     assert not parts[0].any() and not parts[2].any() and torch.equal(parts[1], torch.full((3,), 3.0))
     with pytest.raises(ValueError, match="arena exhausted"):
         arena.take((1,), torch.float32)
-
-
-def _resident_fraction(t: torch.Tensor) -> float:
-    """The share of t's buffer's pages in memory (mincore(2))."""
-    storage = t.untyped_storage()
-    page = os.sysconf("SC_PAGE_SIZE")
-    pages = -(-storage.nbytes() // page)
-    vec = (ctypes.c_ubyte * pages)()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    assert libc.mincore(storage.data_ptr(), storage.nbytes(), vec) == 0, ctypes.get_errno()
-    return sum(v & 1 for v in vec) / pages
-
-
-@linux
-@pytest.mark.parametrize("kernel_populates", [True, False])
-def test_prefault_makes_a_whole_arena_resident_and_keeps_its_contents(kernel_populates, monkeypatch):
-    """The KV pool's pages are faulted in at start-up: every page of the arena's buffer (not only
-    the tensor passed) resident, the values as they were; where the kernel refuses the advice
-    (before Linux 5.14) the fallback writes every page instead."""
-    if not kernel_populates:
-        monkeypatch.setattr(memory, "_populate", lambda address, nbytes: False)
-    arena = memory.Arena([((16 << 20,), torch.uint8)] * 2)
-    first, second = arena.take((16 << 20,), torch.uint8), arena.take((16 << 20,), torch.uint8)
-    second[::4096].fill_(7)  # some pages written already: they keep their values
-    assert _resident_fraction(first) < 0.6
-    assert memory.prefault(first) >= 0
-    assert _resident_fraction(first) == 1.0
-    assert not first.any() and int(second[::4096].sum()) == 7 * (16 << 20) // 4096
-    assert int(second.sum()) == 7 * (16 << 20) // 4096  # nothing but those bytes changed
