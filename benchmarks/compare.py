@@ -17,6 +17,11 @@ the GGUF engines read that same file. Engines that are not installed are listed 
 that fails records its error. Prints a table and writes JSON; --engines runs a subset and keeps the
 other engines' earlier entries (so a long comparison runs as several short locked runs).
 
+--rounds N runs the engines N times, in reverse order every other round (a shared VM's speed
+drifts by 5-10% within minutes: one run each can put either engine ahead of where a second run
+would): each engine's figures are then those of its median offline run, and a table lists every
+round's offline out tok/s and Tessera's ratio to each engine in that round, with the medians.
+
     /tmp/tools/quiet .venv/bin/python benchmarks/compare.py --engines tessera,tessera-gguf
     /tmp/tools/quiet .venv/bin/python benchmarks/compare.py --model gemma-3-270m --engines tessera-gguf,llamacpp-gguf
 """
@@ -241,6 +246,8 @@ def main() -> None:
     ap.add_argument("--hf-folder", default=None, help="the transformers folder vLLM loads "
                     "(default: $TESSERA_COMPETITORS/models/<model>-f32, from make_hf_folder.py)")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per engine before it is killed")
+    ap.add_argument("--rounds", type=int, default=1, help="run the engines this many times, alternating their "
+                    "order; each engine's figures are its median offline run's (see above)")
     ap.add_argument("--out", default=None, help="default: results/compare.json (default model), "
                     "results/compare_<model>.json otherwise")
     args = ap.parse_args()
@@ -290,18 +297,26 @@ def main() -> None:
     print(f"machine: {cpu_name()}, {os.cpu_count()} cores; {machine['gemm_dtype']} GEMM 2048^3 "
           f"{machine['gemm_flops'] / 1e12:.2f} TFLOP/s, copy {machine['copy_bytes_per_s'] / 1e9:.1f} GB/s, "
           f"sum {machine['read_bytes_per_s'] / 1e9:.1f} GB/s ({args.threads} threads)", flush=True)
+    if args.rounds < 1:
+        sys.exit("--rounds must be >= 1")
+    runs: dict[str, list[dict]] = {}
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="compare-workload-") as f:
         json.dump(workload, f)
         f.flush()
-        for name in chosen:
-            e = known[name]
-            reason = missing_reason(e, args)
-            if reason:
-                print(f"--- {name}: missing ({reason})")
-                results[name] = {"engine": name, "weights": e.weights, "ok": False, "error": f"missing: {reason}"}
-                continue
-            new = run_engine(e, Path(f.name), args)
+        for rnd in range(args.rounds):
+            for name in chosen if rnd % 2 == 0 else chosen[::-1]:
+                e = known[name]
+                reason = missing_reason(e, args)
+                if reason:
+                    print(f"--- {name}: missing ({reason})")
+                    results[name] = {"engine": name, "weights": e.weights, "ok": False, "error": f"missing: {reason}"}
+                    continue
+                runs.setdefault(name, []).append(run_engine(e, Path(f.name), args))
+        for name, done in runs.items():
+            new = median_run(done)
             new["machine"] = machine
+            if args.rounds > 1:
+                new["rounds"] = [_round_summary(r) for r in done]
             old = results.get(name, {})
             if new.get("ok") and old.get("ok"):  # the part not run now keeps its earlier figures
                 for part in ("throughput", "single"):
@@ -317,6 +332,8 @@ def main() -> None:
     leading_agreement(results)
     add_floors(results, args, files.config)
     print_table(results, args)
+    if args.rounds > 1:
+        print_rounds(runs, chosen)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps({
         "workload": _described(workload),
@@ -324,6 +341,50 @@ def main() -> None:
         "results": results,
     }, indent=2))
     print(f"\nwrote {out_path}")
+
+
+def _offline_s(run: dict) -> float | None:
+    return run.get("throughput", {}).get("seconds") if run.get("ok") else None
+
+
+def median_run(done: list[dict]) -> dict:
+    """The run whose offline time is the median of the engine's runs (the lower middle of an even
+    count); without offline figures (--parts single, or every run failed), the last run."""
+    timed = sorted((r for r in done if _offline_s(r) is not None), key=_offline_s)
+    return timed[(len(timed) - 1) // 2] if timed else done[-1]
+
+
+def _round_summary(run: dict) -> dict:
+    t = run.get("throughput", {}) if run.get("ok") else {}
+    return {"ok": bool(run.get("ok")), "seconds": t.get("seconds"), "out_tok_s": t.get("out_tok_s"),
+            "measured_at": run.get("measured_at")}
+
+
+def print_rounds(runs: dict[str, list[dict]], chosen: list[str]) -> None:
+    """Every round's offline out tok/s per engine, and Tessera's ratio to each other engine in the
+    same round (both measured minutes apart, in alternating order), with the medians."""
+    names = [n for n in chosen if n in runs]
+    others = [n for n in names if n != "tessera"] if "tessera" in runs else []
+    print("\noffline out tok/s per round" + (" (tessera / engine in the same round)" if others else ""))
+    print("round " + "".join(f"{n:>16s}" for n in names) + "".join(f"{'t/' + n:>16s}" for n in others))
+    rows = max(len(v) for v in runs.values())
+    ratios: dict[str, list[float]] = {n: [] for n in others}
+    for i in range(rows):
+        def rate(n):
+            return runs[n][i].get("throughput", {}).get("out_tok_s") if i < len(runs[n]) and runs[n][i].get("ok") else None
+        line = f"{i + 1:<6d}" + "".join(f"{rate(n):16.1f}" if rate(n) else f"{'-':>16s}" for n in names)
+        for n in others:
+            if rate("tessera") and rate(n):
+                ratios[n].append(rate("tessera") / rate(n))
+                line += f"{ratios[n][-1]:15.2f}x"
+            else:
+                line += f"{'-':>16s}"
+        print(line)
+    if others:
+        import statistics
+
+        print("median" + " " * 16 * len(names) + "".join(
+            f"{statistics.median(ratios[n]):15.2f}x" if ratios[n] else f"{'-':>16s}" for n in others))
 
 
 def _described(workload: dict) -> dict:
