@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -367,22 +368,22 @@ def print_rounds(runs: dict[str, list[dict]], chosen: list[str]) -> None:
     others = [n for n in names if n != "tessera"] if "tessera" in runs else []
     print("\noffline out tok/s per round" + (" (tessera / engine in the same round)" if others else ""))
     print("round " + "".join(f"{n:>16s}" for n in names) + "".join(f"{'t/' + n:>16s}" for n in others))
-    rows = max(len(v) for v in runs.values())
+
+    def rate(name: str, i: int) -> float | None:  # engine `name`'s out tok/s in round i, if it ran
+        run = runs[name][i] if i < len(runs[name]) else {}
+        return run.get("throughput", {}).get("out_tok_s") if run.get("ok") else None
+
     ratios: dict[str, list[float]] = {n: [] for n in others}
-    for i in range(rows):
-        def rate(n):
-            return runs[n][i].get("throughput", {}).get("out_tok_s") if i < len(runs[n]) and runs[n][i].get("ok") else None
-        line = f"{i + 1:<6d}" + "".join(f"{rate(n):16.1f}" if rate(n) else f"{'-':>16s}" for n in names)
+    for i in range(max(len(v) for v in runs.values())):
+        line = f"{i + 1:<6d}" + "".join(f"{rate(n, i):16.1f}" if rate(n, i) else f"{'-':>16s}" for n in names)
         for n in others:
-            if rate("tessera") and rate(n):
-                ratios[n].append(rate("tessera") / rate(n))
+            if rate("tessera", i) and rate(n, i):
+                ratios[n].append(rate("tessera", i) / rate(n, i))
                 line += f"{ratios[n][-1]:15.2f}x"
             else:
                 line += f"{'-':>16s}"
         print(line)
     if others:
-        import statistics
-
         print("median" + " " * 16 * len(names) + "".join(
             f"{statistics.median(ratios[n]):15.2f}x" if ratios[n] else f"{'-':>16s}" for n in others))
 
