@@ -304,15 +304,18 @@ def main() -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="compare-workload-") as f:
         json.dump(workload, f)
         f.flush()
+        present = []
+        for name in chosen:
+            e = known[name]
+            reason = missing_reason(e, args)
+            if reason:
+                print(f"--- {name}: missing ({reason})")
+                results[name] = {"engine": name, "weights": e.weights, "ok": False, "error": f"missing: {reason}"}
+            else:
+                present.append(name)
         for rnd in range(args.rounds):
-            for name in chosen if rnd % 2 == 0 else chosen[::-1]:
-                e = known[name]
-                reason = missing_reason(e, args)
-                if reason:
-                    print(f"--- {name}: missing ({reason})")
-                    results[name] = {"engine": name, "weights": e.weights, "ok": False, "error": f"missing: {reason}"}
-                    continue
-                runs.setdefault(name, []).append(run_engine(e, Path(f.name), args))
+            for name in present if rnd % 2 == 0 else present[::-1]:
+                runs.setdefault(name, []).append(run_engine(known[name], Path(f.name), args))
         for name, done in runs.items():
             new = median_run(done)
             new["machine"] = machine
@@ -344,8 +347,13 @@ def main() -> None:
     print(f"\nwrote {out_path}")
 
 
+def _throughput(run: dict) -> dict:
+    """A run's offline figures ({} when it failed or ran only the single-stream part)."""
+    return run.get("throughput", {}) if run.get("ok") else {}
+
+
 def _offline_s(run: dict) -> float | None:
-    return run.get("throughput", {}).get("seconds") if run.get("ok") else None
+    return _throughput(run).get("seconds")
 
 
 def median_run(done: list[dict]) -> dict:
@@ -356,7 +364,7 @@ def median_run(done: list[dict]) -> dict:
 
 
 def _round_summary(run: dict) -> dict:
-    t = run.get("throughput", {}) if run.get("ok") else {}
+    t = _throughput(run)
     return {"ok": bool(run.get("ok")), "seconds": t.get("seconds"), "out_tok_s": t.get("out_tok_s"),
             "measured_at": run.get("measured_at")}
 
@@ -370,8 +378,7 @@ def print_rounds(runs: dict[str, list[dict]], chosen: list[str]) -> None:
     print("round " + "".join(f"{n:>16s}" for n in names) + "".join(f"{'t/' + n:>16s}" for n in others))
 
     def rate(name: str, i: int) -> float | None:  # engine `name`'s out tok/s in round i, if it ran
-        run = runs[name][i] if i < len(runs[name]) else {}
-        return run.get("throughput", {}).get("out_tok_s") if run.get("ok") else None
+        return _throughput(runs[name][i]).get("out_tok_s") if i < len(runs[name]) else None
 
     ratios: dict[str, list[float]] = {n: [] for n in others}
     for i in range(max(len(v) for v in runs.values())):
