@@ -19,8 +19,10 @@ other engines' earlier entries (so a long comparison runs as several short locke
 
 --rounds N runs the engines N times, in reverse order every other round (a shared VM's speed
 drifts by 5-10% within minutes: one run each can put either engine ahead of where a second run
-would): each engine's figures are then those of its median offline run, and a table lists every
-round's offline out tok/s and Tessera's ratio to each engine in that round, with the medians.
+would): each engine's figures are then those of its median offline run (with --parts single, its
+median single-stream decode run), and a table lists every round's offline out tok/s and
+single-stream decode tok/s, and the Tessera engine's ratio to each other engine in that round,
+with the medians (tessera, or tessera-gguf where tessera did not run: next to llama-bench).
 
     /tmp/tools/quiet .venv/bin/python benchmarks/compare.py --engines tessera,tessera-gguf
     /tmp/tools/quiet .venv/bin/python benchmarks/compare.py --model gemma-3-270m --engines tessera-gguf,llamacpp-gguf
@@ -356,43 +358,59 @@ def _offline_s(run: dict) -> float | None:
     return _throughput(run).get("seconds")
 
 
+def _decode_tok_s(run: dict) -> float | None:
+    """A run's single-stream decode tok/s (None when it failed or ran only the offline part)."""
+    return run.get("single", {}).get("decode_tok_s") if run.get("ok") else None
+
+
 def median_run(done: list[dict]) -> dict:
     """The run whose offline time is the median of the engine's runs (the lower middle of an even
-    count); without offline figures (--parts single, or every run failed), the last run."""
+    count); without offline figures (--parts single), the run whose single-stream decode rate is
+    the median; with neither (every run failed), the last run."""
     timed = sorted((r for r in done if _offline_s(r) is not None), key=_offline_s)
-    return timed[(len(timed) - 1) // 2] if timed else done[-1]
+    if timed:
+        return timed[(len(timed) - 1) // 2]
+    streamed = sorted((r for r in done if _decode_tok_s(r) is not None), key=_decode_tok_s)
+    return streamed[(len(streamed) - 1) // 2] if streamed else done[-1]
 
 
 def _round_summary(run: dict) -> dict:
     t = _throughput(run)
     return {"ok": bool(run.get("ok")), "seconds": t.get("seconds"), "out_tok_s": t.get("out_tok_s"),
-            "measured_at": run.get("measured_at")}
+            "decode_tok_s": _decode_tok_s(run), "measured_at": run.get("measured_at")}
 
 
 def print_rounds(runs: dict[str, list[dict]], chosen: list[str]) -> None:
-    """Every round's offline out tok/s per engine, and Tessera's ratio to each other engine in the
-    same round (both measured minutes apart, in alternating order), with the medians."""
+    """Per round, each engine's offline out tok/s and single-stream decode tok/s (the parts that
+    ran), and the Tessera engine's ratio to each other engine in the same round (both measured
+    minutes apart, in alternating order), with the medians. The Tessera engine is tessera, else
+    tessera-gguf (a --parts single comparison with llama-bench)."""
     names = [n for n in chosen if n in runs]
-    others = [n for n in names if n != "tessera"] if "tessera" in runs else []
-    print("\noffline out tok/s per round" + (" (tessera / engine in the same round)" if others else ""))
-    print("round " + "".join(f"{n:>16s}" for n in names) + "".join(f"{'t/' + n:>16s}" for n in others))
+    base = next((n for n in ("tessera", "tessera-gguf") if n in runs), None)
+    others = [n for n in names if n != base] if base else []
+    for label, figure in (("offline out tok/s", lambda r: _throughput(r).get("out_tok_s")),
+                          ("single-stream decode tok/s", _decode_tok_s)):
+        def rate(name: str, i: int, figure=figure) -> float | None:  # engine `name`'s figure in round i
+            return figure(runs[name][i]) if i < len(runs[name]) else None
 
-    def rate(name: str, i: int) -> float | None:  # engine `name`'s out tok/s in round i, if it ran
-        return _throughput(runs[name][i]).get("out_tok_s") if i < len(runs[name]) else None
-
-    ratios: dict[str, list[float]] = {n: [] for n in others}
-    for i in range(max(len(v) for v in runs.values())):
-        line = f"{i + 1:<6d}" + "".join(f"{rate(n, i):16.1f}" if rate(n, i) else f"{'-':>16s}" for n in names)
-        for n in others:
-            if rate("tessera", i) and rate(n, i):
-                ratios[n].append(rate("tessera", i) / rate(n, i))
-                line += f"{ratios[n][-1]:15.2f}x"
-            else:
-                line += f"{'-':>16s}"
-        print(line)
-    if others:
-        print("median" + " " * 16 * len(names) + "".join(
-            f"{statistics.median(ratios[n]):15.2f}x" if ratios[n] else f"{'-':>16s}" for n in others))
+        rounds = max(len(v) for v in runs.values())
+        if not any(rate(n, i) for n in names for i in range(rounds)):
+            continue  # the part did not run
+        print(f"\n{label} per round" + (f" ({base} / engine in the same round)" if others else ""))
+        print("round " + "".join(f"{n:>16s}" for n in names) + "".join(f"{'t/' + n:>16s}" for n in others))
+        ratios: dict[str, list[float]] = {n: [] for n in others}
+        for i in range(rounds):
+            line = f"{i + 1:<6d}" + "".join(f"{rate(n, i):16.1f}" if rate(n, i) else f"{'-':>16s}" for n in names)
+            for n in others:
+                if rate(base, i) and rate(n, i):
+                    ratios[n].append(rate(base, i) / rate(n, i))
+                    line += f"{ratios[n][-1]:15.2f}x"
+                else:
+                    line += f"{'-':>16s}"
+            print(line)
+        if others:
+            print("median" + " " * 16 * len(names) + "".join(
+                f"{statistics.median(ratios[n]):15.2f}x" if ratios[n] else f"{'-':>16s}" for n in others))
 
 
 def _described(workload: dict) -> dict:
