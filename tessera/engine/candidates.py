@@ -129,6 +129,13 @@ def _kept_within(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
         exact, ids, weights, num_kept = kernels.ops().kept_head(logits, temperature, top_k, top_p, min_p, width, *norm)
         return exact, KeptPrefix(ids, weights, num_kept)
     scaled, ids, bound = head_in_order(logits, temperature, width)
+    if _native_rest(logits):
+        # A fetch too wide for the native head: the rest natively all the same, so a row's weights
+        # are one arithmetic whatever width its batch fetched (torch's exp and std::exp differ in
+        # the last bit now and then, and a row beside it with a large top-k used to switch routes).
+        exact, ids, weights, num_kept = kernels.ops().kept_in_head(scaled, ids, bound, temperature, top_k, top_p,
+                                                                   min_p, vocab, *norm)
+        return exact, KeptPrefix(ids, weights, num_kept)
     width = scaled.shape[1]
     positions = torch.arange(width, device=logits.device)
     if bound is not None:
@@ -199,8 +206,14 @@ def native_softmax_ops(logits: torch.Tensor) -> bool:
 
 def _native_kept(x: torch.Tensor, width: int) -> bool:
     """Whether _kept_within runs natively (kept_head): wherever its head does (tests compare the
-    two over the same head by turning this off)."""
+    two over the same head by turning this and _native_rest off)."""
     return _native_head(x, width)
+
+
+def _native_rest(x: torch.Tensor) -> bool:
+    """Whether _kept_within's part after the head runs natively (kept_in_head) for a head the torch
+    route fetched: wherever the native ops are built for these logits."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and kernels.available()
 
 
 # head_topk's chunk count per row is vocab / _TOPK_CHUNK.

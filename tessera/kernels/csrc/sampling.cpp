@@ -131,11 +131,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> head_topk(const at::Tensor& x, in
 // only rows), a sequential float64 cumulative sum, top_p - 1e-6 rounded to float32. The head is
 // padded to the batch's widest, as the torch version pads it (padding: weight 0, id 0).
 // Returns (exact [R] bool, ids [R, W] long, weights [R, W] float64, num_kept [R] long).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kept_head(
-    const at::Tensor& x, const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
-    const at::Tensor& min_p, int64_t width, const at::Tensor& norm_max, const at::Tensor& norm_sum) {
-  auto [scaled, ids, bound] = head_topk(x, width, temperature);
-  const int64_t rows = scaled.size(0), w = scaled.size(1), vocab = x.size(1);
+// kept_in_head is the part after the head: it also takes a head the torch route fetched (a fetch
+// too wide for head_topk's chunks), so that a row's weights come from this arithmetic whichever
+// route its batch's fetch width took (the torch ops' float32 exp differs from std::exp in the last
+// bit now and then: a row's sampling weights then depended on the rows beside it). bound: the
+// head's raw-logit bound, none when the whole row was fetched.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kept_in_head(
+    const at::Tensor& scaled_in, const at::Tensor& ids_in, const c10::optional<at::Tensor>& bound_in,
+    const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
+    int64_t vocab, const at::Tensor& norm_max, const at::Tensor& norm_sum) {
+  TORCH_CHECK(scaled_in.dim() == 2 && scaled_in.scalar_type() == at::kFloat && ids_in.sizes() == scaled_in.sizes(),
+              "kept_in_head: scaled [R, W] float32 and ids [R, W]");
+  const at::Tensor scaled = scaled_in.contiguous(), ids = ids_in.to(at::kLong).contiguous();
+  const bool whole_row = !bound_in.has_value() || !bound_in->defined();
+  const at::Tensor bound = whole_row ? at::full({scaled.size(0)}, -std::numeric_limits<float>::infinity(),
+                                                scaled.options())
+                                     : bound_in->to(at::kFloat).contiguous();
+  const int64_t rows = scaled.size(0), w = scaled.size(1);
   const at::Tensor t = temperature.to(at::kFloat).contiguous(), k = top_k.to(at::kLong).contiguous();
   const at::Tensor p = top_p.to(at::kFloat).contiguous(), mp = min_p.to(at::kFloat).contiguous();
   const at::Tensor nmax = norm_max.to(at::kDouble).contiguous(), nsum = norm_sum.to(at::kDouble).contiguous();
@@ -159,8 +171,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kept_head(
       const bool limited = top < vocab, top_p_only = !limited && topp < 1.0f, all_in = topp >= 1.0f;
       const int64_t num_k = std::min<int64_t>(top, w);
       const float edge = bp[r] / tp[r];  // entries strictly above it are the provably exact head
-      int64_t exact_len = 0;
-      for (int64_t j = 0; j < w; ++j) exact_len += s[j] > edge;
+      int64_t exact_len = whole_row ? vocab : 0;
+      if (!whole_row)
+        for (int64_t j = 0; j < w; ++j) exact_len += s[j] > edge;
       for (int64_t j = 0; j < w; ++j)
         wt[j] = top_p_only ? std::exp(static_cast<double>(s[j]) - nmp[r]) / nsp[r]
                            : static_cast<double>(std::exp(s[j] - s[0]));
@@ -183,6 +196,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kept_head(
     }
   });
   return {exact, ids, weights, num_kept};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kept_head(
+    const at::Tensor& x, const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
+    const at::Tensor& min_p, int64_t width, const at::Tensor& norm_max, const at::Tensor& norm_sum) {
+  auto [scaled, ids, bound] = head_topk(x, width, temperature);
+  return kept_in_head(scaled, ids, bound, temperature, top_k, top_p, min_p, x.size(1), norm_max, norm_sum);
 }
 
 // sample_softmax: AVX-512 whatever -march=native says (the library also builds on Zen 3, where
@@ -656,6 +676,8 @@ TORCH_LIBRARY_FRAGMENT(tessera_inv, m) {
   m.def("head_topk(Tensor x, int width, Tensor? temperature=None) -> (Tensor, Tensor, Tensor)");
   m.def("kept_head(Tensor x, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, int width, "
         "Tensor norm_max, Tensor norm_sum) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("kept_in_head(Tensor scaled, Tensor ids, Tensor? bound, Tensor temperature, Tensor top_k, Tensor top_p, "
+        "Tensor min_p, int vocab, Tensor norm_max, Tensor norm_sum) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("sample_softmax(Tensor logits, Tensor temperature, Tensor uniforms) -> Tensor");
   m.def("softmax_normalizers(Tensor logits, Tensor temperature) -> (Tensor, Tensor)");
   m.def("sample_top_p(Tensor logits, Tensor temperature, Tensor top_p, Tensor uniforms) -> Tensor");
@@ -666,6 +688,7 @@ TORCH_LIBRARY_FRAGMENT(tessera_inv, m) {
 TORCH_LIBRARY_IMPL(tessera_inv, CPU, m) {
   m.impl("head_topk", &head_topk);
   m.impl("kept_head", &kept_head);
+  m.impl("kept_in_head", &kept_in_head);
   m.impl("sample_softmax", &sample_softmax);
   m.impl("softmax_normalizers", &softmax_normalizers);
   m.impl("sample_top_p", &sample_top_p);
