@@ -895,7 +895,11 @@ void amx_attend_item(const Problem& pb, const int32_t* table, int tq, const int6
             transpose16(rv);
             for (int k = 0; k < 16; ++k) store16(tile + k * 16, rv[k]);
           }
-      for (int n = 0; n < nbt * 16; ++n) {
+      // Rows past the item's last (a decode's 13 of 16: the padding columns of Q^T) are skipped:
+      // their P rows keep whatever finite values an earlier item left, and the C rows they make
+      // are never read (each C row is its own P row times V), so nothing is zeroed for them.
+      const int n_rows = std::min(nbt * 16, tq * g);
+      for (int n = 0; n < n_rows; ++n) {
         // P row n of step ks: ws.pa[((n / 16) * nks + ks) * 512 + (n % 16) * 32 + key]
         at::BFloat16* prow = ws.pa.data() + (n / 16) * nks * 512 + (n % 16) * 32;
         const int t = n / g;
@@ -915,7 +919,7 @@ void amx_attend_item(const Problem& pb, const int32_t* table, int tq, const int6
           }
           m = lane_max(vm);
         }
-        if (m == ninf) {  // no key of this row in the chunk (or a padding column): no change
+        if (m == ninf) {  // no key of this row in the chunk: P = 0, no change
           for (int ks = 0; ks < nks; ++ks) std::memset(static_cast<void*>(prow + ks * 512), 0, 64);
           ws.corr[n] = 1.f;
           continue;
