@@ -193,8 +193,12 @@ def head_in_order(logits: torch.Tensor, temperature: torch.Tensor,
 def _native_head(x: torch.Tensor, width: int) -> bool:
     """Whether head_topk takes the native pass for this fetch (the torch routes stay for a whole
     row, a fetch too wide for chunking, and tensors off the CPU)."""
-    return (width * _TOPK_CHUNK * 4 <= x.shape[1] and x.device.type == "cpu" and x.dtype == torch.float32
-            and kernels.available())
+    return width * _TOPK_CHUNK * 4 <= x.shape[1] and _native_ops_for(x)
+
+
+def _native_ops_for(x: torch.Tensor) -> bool:
+    """Whether the native sampling ops are built and take these logits (CPU float32)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and kernels.available()
 
 
 def native_softmax_ops(logits: torch.Tensor) -> bool:
@@ -213,7 +217,7 @@ def _native_kept(x: torch.Tensor, width: int) -> bool:
 def _native_rest(x: torch.Tensor) -> bool:
     """Whether _kept_within's part after the head runs natively (kept_in_head) for a head the torch
     route fetched: wherever the native ops are built for these logits."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and kernels.available()
+    return _native_ops_for(x)
 
 
 # head_topk's chunk count per row is vocab / _TOPK_CHUNK.

@@ -144,9 +144,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kept_in_head(
               "kept_in_head: scaled [R, W] float32 and ids [R, W]");
   const at::Tensor scaled = scaled_in.contiguous(), ids = ids_in.to(at::kLong).contiguous();
   const bool whole_row = !bound_in.has_value() || !bound_in->defined();
-  const at::Tensor bound = whole_row ? at::full({scaled.size(0)}, -std::numeric_limits<float>::infinity(),
-                                                scaled.options())
-                                     : bound_in->to(at::kFloat).contiguous();
+  const at::Tensor bound = whole_row ? at::Tensor() : bound_in->to(at::kFloat).contiguous();
   const int64_t rows = scaled.size(0), w = scaled.size(1);
   const at::Tensor t = temperature.to(at::kFloat).contiguous(), k = top_k.to(at::kLong).contiguous();
   const at::Tensor p = top_p.to(at::kFloat).contiguous(), mp = min_p.to(at::kFloat).contiguous();
@@ -154,7 +152,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kept_in_head(
   auto weights = at::empty({rows, w}, scaled.options().dtype(at::kDouble));
   auto num_kept = at::empty({rows}, ids.options());
   auto exact = at::empty({rows}, ids.options().dtype(at::kBool));
-  const float *sp = scaled.data_ptr<float>(), *bp = bound.data_ptr<float>(), *tp = t.data_ptr<float>();
+  const float *sp = scaled.data_ptr<float>(), *tp = t.data_ptr<float>();
+  const float* bp = whole_row ? nullptr : bound.data_ptr<float>();
   const float *pp = p.data_ptr<float>(), *mpp = mp.data_ptr<float>();
   const int64_t* kp = k.data_ptr<int64_t>();
   const double *nmp = nmax.data_ptr<double>(), *nsp = nsum.data_ptr<double>();
@@ -170,10 +169,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kept_in_head(
       const float topp = pp[r];
       const bool limited = top < vocab, top_p_only = !limited && topp < 1.0f, all_in = topp >= 1.0f;
       const int64_t num_k = std::min<int64_t>(top, w);
-      const float edge = bp[r] / tp[r];  // entries strictly above it are the provably exact head
-      int64_t exact_len = whole_row ? vocab : 0;
-      if (!whole_row)
+      int64_t exact_len = vocab;  // a whole row is exact
+      if (!whole_row) {
+        const float edge = bp[r] / tp[r];  // entries strictly above it are the provably exact head
+        exact_len = 0;
         for (int64_t j = 0; j < w; ++j) exact_len += s[j] > edge;
+      }
       for (int64_t j = 0; j < w; ++j)
         wt[j] = top_p_only ? std::exp(static_cast<double>(s[j]) - nmp[r]) / nsp[r]
                            : static_cast<double>(std::exp(s[j] - s[0]));
