@@ -2,7 +2,10 @@
 
 Every request's outputs are compared with the same request run alone on the plain engine (no
 prefix caching, one prefill chunk, an ample pool, no speculation or handoff; the same dtype,
-weight quantization and KV cache dtype). Checked as well: the KV invariant after every step,
+weight quantization and KV cache dtype). float32 engines run with `deterministic` (the fixed-order
+fp32 linears): that is where Tessera guarantees float32 invariance; MKL's default linears differ
+in the last bit between row counts, which flips a near tie now and then (an int8-KV case with a
+4.8e-6 logprob gap did). Checked as well: the KV invariant after every step,
 streamed deltas adding up to the final output, an aborted request's tokens being a prefix of
 its reference, and every engine's pools empty at the end.
 
@@ -70,7 +73,8 @@ class Context:
     def engine_config(self, f: Features, **overrides) -> EngineConfig:
         bpt = kv_bytes_per_token(self.model_config, _torch_dtype(self.dtype), f.kv_cache_dtype)
         kw: dict = dict(
-            model=str(self.model_dir), dtype=self.dtype, enable_prefix_caching=f.prefix_caching,
+            model=str(self.model_dir), dtype=self.dtype, deterministic=self.dtype == "float32",
+            enable_prefix_caching=f.prefix_caching,
             max_num_batched_tokens=f.budget, max_num_seqs=f.max_num_seqs, block_size=f.block_size,
             kv_cache_memory=AMPLE_TOKENS * bpt, kv_cache_dtype=f.kv_cache_dtype, quantization=f.quantization,
             preemption_mode=f.preemption if f.swap_space else "recompute",
