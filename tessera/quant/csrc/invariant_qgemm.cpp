@@ -858,14 +858,21 @@ void set_arithmetic(int64_t arithmetic) {
 at::Tensor run(const at::Tensor& x, const Weight& w, int64_t nbk) {
   const int64_t n = w.n, kp = w.kp, kb = kp / 32, fmt = w.fmt, k = x.size(1), m = x.size(0);
   const int64_t mp = std::max<int64_t>(16, (m + 15) / 16 * 16);
-  // The A operands: zero padded rows and K, reused across calls (no per-call page faults).
+  // The A operands, K padded with zeros, reused across calls (no per-call page faults). The rows
+  // past m are not cleared: they only reach C rows that are never stored (and no per-row sum reads
+  // them), so what an earlier call left there changes nothing; clearing all of them had been a
+  // 16-row memset per call at one row.
   thread_local std::vector<uint16_t> abuf;
   const bool split = x.scalar_type() == at::kFloat;
   const size_t need = size_t(mp * kp) * (split ? 2 : 1);
   if (abuf.size() < need) abuf.resize(need);
-  std::fill(abuf.begin(), abuf.begin() + need, 0);
   uint16_t* a_hi = abuf.data();
   uint16_t* a_lo = split ? a_hi + mp * kp : nullptr;
+  if (kp > k)
+    for (int64_t r = 0; r < m; ++r) {
+      std::fill(a_hi + r * kp + k, a_hi + (r + 1) * kp, 0);
+      if (a_lo) std::fill(a_lo + r * kp + k, a_lo + (r + 1) * kp, 0);
+    }
   pack_a(x, m, k, kp, a_hi, a_lo);
   auto out = at::empty({m, n}, x.options());
   void* outp = out.data_ptr();
