@@ -224,9 +224,15 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void dequant_tile(const W
   }
 }
 
-// The activation rows as AMX A operands: bf16 [mp, kp], zero padded; fp32 x also gives lo.
+// The activation rows as AMX A operands: rows 0..m-1 of bf16 [mp, kp], each row's K padding
+// zeroed (the rows past m are left as they are: see run); fp32 x also gives lo.
 __attribute__((target("avx512f,avx512bf16"))) void pack_a(const at::Tensor& x, int64_t m, int64_t k,
                                                             int64_t kp, uint16_t* hi, uint16_t* lo) {
+  if (kp > k)
+    for (int64_t r = 0; r < m; ++r) {
+      std::fill(hi + r * kp + k, hi + (r + 1) * kp, 0);
+      if (lo) std::fill(lo + r * kp + k, lo + (r + 1) * kp, 0);
+    }
   if (x.scalar_type() == at::kBFloat16) {
     const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
     for (int64_t r = 0; r < m; ++r) std::memcpy(hi + r * kp, src + r * k, k * 2);
@@ -868,11 +874,6 @@ at::Tensor run(const at::Tensor& x, const Weight& w, int64_t nbk) {
   if (abuf.size() < need) abuf.resize(need);
   uint16_t* a_hi = abuf.data();
   uint16_t* a_lo = split ? a_hi + mp * kp : nullptr;
-  if (kp > k)
-    for (int64_t r = 0; r < m; ++r) {
-      std::fill(a_hi + r * kp + k, a_hi + (r + 1) * kp, 0);
-      if (a_lo) std::fill(a_lo + r * kp + k, a_lo + (r + 1) * kp, 0);
-    }
   pack_a(x, m, k, kp, a_hi, a_lo);
   auto out = at::empty({m, n}, x.options());
   void* outp = out.data_ptr();
