@@ -399,22 +399,24 @@ def test_paged_attention_long_contexts_across_chunks(block_size, arithmetic, mon
         assert torch.equal(single[0], out[row]), j
 
 
-def test_write_kv_equals_index_copy_on_strided_views():
+@pytest.mark.parametrize("t", [5, 200])  # a decode's few rows on one thread; a prefill's split over threads
+def test_write_kv_equals_index_copy_on_strided_views(t):
     """The one-call cache write against index_copy_: k and v as the model passes them (views into
     a fused [T, (H + 2 Hkv) d] row), every slot written, nothing else touched; a slot past the
     cache is refused."""
-    t, h, hkv, d = 5, 4, 2, 16
+    h, hkv, d = 4, 2, 16
     gen = torch.Generator().manual_seed(3)
     qkv = torch.randn(t, (h + 2 * hkv) * d, generator=gen).to(torch.bfloat16)
     k = qkv[:, h * d:(h + hkv) * d].view(t, hkv, d)
     v = qkv[:, (h + hkv) * d:].view(t, hkv, d)
-    slots = torch.tensor([7, 0, 12, 3, 9])
-    caches = [torch.randn(16, hkv, d, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    n_slots = 16 if t <= 16 else 2 * t
+    slots = torch.tensor([7, 0, 12, 3, 9]) if t == 5 else torch.randperm(n_slots, generator=gen)[:t]
+    caches = [torch.randn(n_slots, hkv, d, generator=gen).to(torch.bfloat16) for _ in range(2)]
     ref = [c.clone() for c in caches]
     ref[0].index_copy_(0, slots, k)
     ref[1].index_copy_(0, slots, v)
     kernels.ops().write_kv(k, v, caches[0], caches[1], slots)
     assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
     with pytest.raises(RuntimeError, match="outside the cache"):
-        kernels.ops().write_kv(k, v, caches[0], caches[1], torch.tensor([2, 0, 16, 3, 9]))
+        kernels.ops().write_kv(k, v, caches[0], caches[1], torch.cat([slots[:-1], torch.tensor([n_slots])]))
     assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])  # the refused call wrote nothing
