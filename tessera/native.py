@@ -61,7 +61,8 @@ def extensions_root() -> Path:
 
 def build_dir(name: str, sources: tuple[Path, ...] = (), defines: tuple[str, ...] = ()) -> Path:
     """Where `name` is built: one folder per content of its sources and defines, so two
-    checkouts (or branches) with different sources never rebuild over each other's library."""
+    checkouts (or branches) with different sources never rebuild over each other's library, and
+    (with stage_sources) two with the same sources share one."""
     digest = hashlib.sha256()
     for source in sources:
         digest.update(Path(source).read_bytes())
@@ -69,6 +70,31 @@ def build_dir(name: str, sources: tuple[Path, ...] = (), defines: tuple[str, ...
     path = extensions_root() / (f"{name}-{digest.hexdigest()[:10]}" if sources or defines else name)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def stage_sources(sources: tuple[Path, ...], directory: Path) -> list[Path]:
+    """Copies of `sources` in `directory`/src, the files the build compiles. ninja rebuilds when a
+    compile command changes, and the command names the source's path: built from each checkout's
+    own files, a second checkout with the same sources (a CI clone beside the working tree) rebuilt
+    the shared library every time the two alternated, ~40 s at the next start (the "first start"
+    of sessions 23-24's serve runs). A copy is written only when missing or different (atomically:
+    another process may be staging the same folder), so an unchanged source keeps its time and
+    ninja has nothing to redo."""
+    src = directory / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    names = [Path(source).name for source in sources]
+    if len(set(names)) != len(names):
+        raise ValueError(f"native sources must have distinct file names: {names}")
+    staged = []
+    for source in sources:
+        data = Path(source).read_bytes()
+        target = src / Path(source).name
+        if not target.is_file() or target.read_bytes() != data:
+            tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+            tmp.write_bytes(data)
+            os.replace(tmp, target)
+        staged.append(target)
+    return staged
 
 
 STALE_LOCK_S = 600  # a build takes about a minute; a lock this old was left by a killed build
@@ -100,13 +126,14 @@ def load_extension(name: str, sources: tuple[Path, ...], defines: tuple[str, ...
     from torch.utils import cpp_extension
 
     start = time.perf_counter()
-    clear_stale_lock(build_dir(name, sources, defines))
+    directory = build_dir(name, sources, defines)
+    clear_stale_lock(directory)
     try:
         cpp_extension.load(
             name=name,
-            sources=[str(s) for s in sources],
+            sources=[str(s) for s in stage_sources(sources, directory)],
             extra_cflags=CFLAGS + [f"-D{d}" for d in defines],
-            build_directory=str(build_dir(name, sources, defines)),
+            build_directory=str(directory),
             is_python_module=False,
             verbose=False,
         )
@@ -117,8 +144,7 @@ def load_extension(name: str, sources: tuple[Path, ...], defines: tuple[str, ...
         return False
     elapsed = time.perf_counter() - start
     if elapsed > 2:
-        logger.info("native extension %s built in %.0f s (cached in %s)", name, elapsed,
-                    build_dir(name, sources, defines))
+        logger.info("native extension %s built in %.0f s (cached in %s)", name, elapsed, directory)
     return True
 
 

@@ -1,0 +1,60 @@
+"""tessera.native.stage_sources: two checkouts with the same sources must share one build.
+
+ninja rebuilds a target whose compile command changed or whose source is newer than its object;
+the command names the source's path. So the build compiles copies staged in the (content-keyed)
+build folder: the same paths whichever checkout asks, and a copy left untouched when unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tessera import native
+
+
+def _checkout(root, text):
+    folder = root / "csrc"
+    folder.mkdir(parents=True)
+    (folder / "a.cpp").write_text(text)
+    (folder / "b.cpp").write_text("// b\n")
+    return (folder / "a.cpp", folder / "b.cpp")
+
+
+def test_two_checkouts_with_the_same_sources_compile_the_same_files(tmp_path):
+    first = _checkout(tmp_path / "main", "// a\n")
+    second = _checkout(tmp_path / "ci-clone", "// a\n")
+    build = tmp_path / "build"
+    staged = native.stage_sources(first, build)
+    assert [p.read_text() for p in staged] == ["// a\n", "// b\n"]
+    old = staged[0].stat().st_mtime_ns - 10**9  # as if written a second ago
+    for p in staged:
+        os.utime(p, ns=(old, old))
+    again = native.stage_sources(second, build)
+    assert again == staged  # the same paths in the compile commands
+    assert all(p.stat().st_mtime_ns == old for p in again)  # untouched: nothing newer than the objects
+
+
+def test_a_changed_source_is_rewritten(tmp_path):
+    build = tmp_path / "build"
+    native.stage_sources(_checkout(tmp_path / "one", "// a\n"), build)
+    staged = native.stage_sources(_checkout(tmp_path / "two", "// a, changed\n"), build)
+    assert staged[0].read_text() == "// a, changed\n"
+    assert not list((build / "src").glob("*.tmp*"))  # written through a temporary file, renamed
+
+
+def test_build_folders_follow_the_content_not_the_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    same = native.build_dir("x", _checkout(tmp_path / "main", "// a\n"))
+    assert native.build_dir("x", _checkout(tmp_path / "clone", "// a\n")) == same
+    assert native.build_dir("x", _checkout(tmp_path / "other", "// a2\n")) != same
+
+
+def test_sources_with_one_file_name_are_refused(tmp_path):
+    one, two = tmp_path / "x" / "k.cpp", tmp_path / "y" / "k.cpp"
+    for p in (one, two):
+        p.parent.mkdir()
+        p.write_text("// k\n")
+    with pytest.raises(ValueError, match="distinct file names"):
+        native.stage_sources((one, two), tmp_path / "build")
