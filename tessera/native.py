@@ -2,7 +2,9 @@
 
 `load_extension(name, sources)` compiles the sources (with -O3 -march=native) into a shared
 library that registers torch ops, caches it under `$TORCH_EXTENSIONS_DIR` (default
-`$TESSERA_CACHE/torch_extensions/<torch version>-<cpu>`, so a different CPU or torch rebuilds)
+`$TESSERA_CACHE/torch_extensions/<torch version>-<cpu>-<torch install>`, so a different CPU or
+torch rebuilds, and two environments never rebuild over each other's libraries: the build
+commands name the installation's headers and libraries)
 and loads it. It returns False, logging one warning that names the reason, when the build or the
 load fails, or when `TESSERA_NATIVE=0`; callers then keep their pure-torch kernels. Each name is
 tried once per process. `python -m tessera.native` builds every registered extension ahead of
@@ -51,12 +53,19 @@ def _cpu_tag() -> str:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:10]
 
 
+def _torch_tag() -> str:
+    """Short hash of where this torch is installed: ninja rebuilds a library whose compile
+    command changed, and the command names that installation's include and library folders, so a
+    second virtual environment (a CI clone's) sharing one folder rebuilt it at every switch."""
+    return hashlib.sha256(str(Path(torch.__file__).resolve().parent).encode()).hexdigest()[:8]
+
+
 def extensions_root() -> Path:
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if root is not None:
         return Path(root)
     cache = Path(os.environ.get("TESSERA_CACHE") or Path.home() / ".cache" / "tessera")
-    return cache / "torch_extensions" / f"torch{torch.__version__.split('+')[0]}-{_cpu_tag()}"
+    return cache / "torch_extensions" / f"torch{torch.__version__.split('+')[0]}-{_cpu_tag()}-{_torch_tag()}"
 
 
 def build_dir(name: str, sources: tuple[Path, ...] = (), defines: tuple[str, ...] = ()) -> Path:

@@ -1,8 +1,10 @@
-"""tessera.native.stage_sources: two checkouts with the same sources must share one build.
+"""Where tessera.native builds: two checkouts must never rebuild over each other's libraries.
 
 ninja rebuilds a target whose compile command changed or whose source is newer than its object;
-the command names the source's path. So the build compiles copies staged in the (content-keyed)
-build folder: the same paths whichever checkout asks, and a copy left untouched when unchanged.
+the command names the source's path and the torch installation's headers and libraries. So the
+build compiles copies staged in the (content-keyed) build folder, the same paths whichever
+checkout asks, a copy left untouched when unchanged; and each torch installation (a CI clone's
+virtual environment) builds under a folder of its own.
 """
 
 from __future__ import annotations
@@ -58,3 +60,13 @@ def test_sources_with_one_file_name_are_refused(tmp_path):
         p.write_text("// k\n")
     with pytest.raises(ValueError, match="distinct file names"):
         native.stage_sources((one, two), tmp_path / "build")
+
+
+def test_each_torch_installation_has_its_own_extension_folder(monkeypatch):
+    """The compile commands name the installation's headers and libraries, so two virtual
+    environments sharing one folder would rebuild it at every switch."""
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    here = native.extensions_root()
+    monkeypatch.setattr(native.torch, "__file__", "/elsewhere/site-packages/torch/__init__.py")
+    elsewhere = native.extensions_root()
+    assert here != elsewhere and here.parent == elsewhere.parent
