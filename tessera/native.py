@@ -84,11 +84,11 @@ def build_dir(name: str, sources: tuple[Path, ...] = (), defines: tuple[str, ...
 def stage_sources(sources: tuple[Path, ...], directory: Path) -> list[Path]:
     """Copies of `sources` in `directory`/src, the files the build compiles. ninja rebuilds when a
     compile command changes, and the command names the source's path: built from each checkout's
-    own files, a second checkout with the same sources (a CI clone beside the working tree) rebuilt
-    the shared library every time the two alternated, ~40 s at the next start (the "first start"
-    of sessions 23-24's serve runs). A copy is written only when missing or different (atomically:
-    another process may be staging the same folder), so an unchanged source keeps its time and
-    ninja has nothing to redo."""
+    own files, a second checkout with the same sources rebuilt the shared library every time the
+    two alternated, ~40 s at the next start (with a CI clone, whose own virtual environment also
+    changes the command, _torch_tag is the other half: the "first start" of sessions 23-24's serve
+    runs). A copy is written only when missing or different (atomically: another process may be
+    staging the same folder), so an unchanged source keeps its time and ninja has nothing to redo."""
     src = directory / "src"
     src.mkdir(parents=True, exist_ok=True)
     names = [Path(source).name for source in sources]
