@@ -229,9 +229,28 @@ def _float32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
+class _Reader(gguf.GGUFReader):
+    """gguf.GGUFReader over a plain ndarray view of the file's mapping.
+
+    The reader parses every metadata field at open, one small slice of its `np.memmap` at a time,
+    and each slice of a memmap runs numpy's memmap subclass hooks: for a 49k-token vocabulary and
+    its merges (~100k strings) that was most of the 1.8 s an open took (Gemma 3's 262k-token
+    vocabulary: 9 s). The same bytes through a plain view (the memmap stays alive as its base,
+    read-only as before) parse in well under half the time.
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:  # GGUFReader.__init__ assigns its np.memmap here
+        self._data = value.view(np.ndarray)
+
+
 def _open_reader(path: Path) -> gguf.GGUFReader:
     try:
-        reader = gguf.GGUFReader(path)
+        reader = _Reader(path)
     except (ValueError, IndexError, KeyError, TypeError, OverflowError) as e:
         raise ValueError(f"{path}: cannot read GGUF ({e}); the file is truncated or not a GGUF file") from e
     size = path.stat().st_size

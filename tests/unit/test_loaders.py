@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as Q
 from tessera.config import DEFAULT_MODEL
 from tessera.model import download
 from tessera.model.download import resolve_model_path
-from tessera.model.gguf_loader import SUPPORTED_TYPES
+from tessera.model.gguf_loader import SUPPORTED_TYPES, _open_reader
 from tessera.model.weights import expected_weight_names, load_model_files
 from tests.tiny_model import write_gguf_from_hf_dir
 
@@ -141,6 +141,27 @@ def test_gguf_matches_hf_and_transformers_gguf_loader(tiny_model_factory, tmp_pa
 
     via_transformers = reference_model(tmp_path, gguf_file="tiny.gguf").state_dict()
     assert_weights_match(files, {k: v.float() for k, v in via_transformers.items()})
+
+
+def test_gguf_reader_parses_what_gguf_reader_parses(tiny_model_dir, tmp_path):
+    """tessera opens GGUF files through a plain-array view of the mapping (faster metadata parsing):
+    every field and tensor as gguf.GGUFReader reads them, and the tensors still read-only views of
+    the file."""
+    path = write_gguf_from_hf_dir(tiny_model_dir, tmp_path / "tiny.gguf", qtype=Q.Q8_0)
+    ours, ref = _open_reader(path), gguf.GGUFReader(path)
+    assert type(ours.data) is np.ndarray  # not an np.memmap: no subclass hooks per slice
+    assert list(ours.fields) == list(ref.fields)
+    for name, field in ref.fields.items():
+        mine = ours.fields[name]
+        assert (mine.offset, mine.types, mine.data) == (field.offset, field.types, field.data), name
+        assert all(np.array_equal(a, b) for a, b in zip(mine.parts, field.parts, strict=True)), name
+        assert np.array_equal(np.asarray(mine.contents(), dtype=object), np.asarray(field.contents(), dtype=object))
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for mine, t in zip(ours.tensors, ref.tensors, strict=True):
+        assert (mine.tensor_type, mine.data_offset, mine.n_bytes) == (t.tensor_type, t.data_offset, t.n_bytes)
+        assert np.array_equal(mine.data, t.data) and not mine.data.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        ours.tensors[0].data[...] = 0
 
 
 def test_gguf_unpermutes_q_and_k_rows(tiny_model_dir, tmp_path):
