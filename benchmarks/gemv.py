@@ -11,7 +11,8 @@ roofline.py's: the best of a large copy and a large sum.
     /tmp/tools/quiet python benchmarks/gemv.py --threads 2 --rows 1,4
     /tmp/tools/quiet python benchmarks/gemv.py --threads 2 --modes int8,int8-torch,q8_0,q8_0-torch --per-shape
 
-A mode with "-torch" builds its layers with TESSERA_QUANT_INVARIANT=0: the shape-picked torch /
+"bf16-invariant" is the bf16 engine's own linear (`InvariantLinear`: AMX tiles, or AVX-512 BF16),
+"bf16" torch's F.linear on the same weights. A mode with "-torch" builds its layers with TESSERA_QUANT_INVARIANT=0: the shape-picked torch /
 AVX-512 kernels that run where the batch-invariant AMX kernel (tessera/quant/invariant.py) does
 not; without the suffix the layers take whatever the machine's default is. `--per-shape` also
 prints each weight shape's share (its 30 copies, or the one lm_head) in GB/s.
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 from pathlib import Path
 
@@ -31,8 +31,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from forward import timed  # noqa: E402
+from machine import cpu_name  # noqa: E402
 from roofline import measure_bandwidth  # noqa: E402
 
+from tessera.kernels.linear import InvariantLinear  # noqa: E402
 from tessera.quant import native_gemv  # noqa: E402
 from tessera.quant.gguf_native import Q8_0Linear  # noqa: E402
 from tessera.quant.int4 import Int4Linear  # noqa: E402
@@ -58,6 +60,8 @@ def build(mode: str, weights: list[torch.Tensor]):
         return weights
     if mode == "bf16":
         return [w.to(torch.bfloat16) for w in weights]
+    if mode == "bf16-invariant":  # the bf16 engine's own linears (AMX tiles / AVX-512 BF16)
+        return [InvariantLinear(w.to(torch.bfloat16)) for w in weights]
     if mode == "int8":
         return [Int8Linear.from_float(w) for w in weights]
     if mode == "w8a8":
@@ -95,24 +99,25 @@ def main() -> None:
     native = native_gemv.available()
     bw = measure_bandwidth(256, 5)
     bandwidth = max(bw["copy"], bw["read"])
-    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__} "
+    print(f"{cpu_name()}, torch {torch.__version__} "
           f"({torch.backends.cpu.get_cpu_capability()}), {args.threads} thread(s), native kernels "
           f"{'built' if native else 'NOT available'}; bandwidth: copy {bw['copy'] / 1e9:.1f} GB/s, "
           f"read {bw['read'] / 1e9:.1f} GB/s")
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen) * 0.02 for n, k in shapes(args.layers)]
     results = []
-    print(f"{'mode':<10} {'kernel':<9} {'rows':>4} {'MiB/token':>10} {'ms/token':>9} {'GB/s':>7} {'% of bw':>8}")
+    print(f"{'mode':<14} {'kernel':<9} {'rows':>4} {'MiB/token':>10} {'ms/token':>9} {'GB/s':>7} {'% of bw':>8}")
     for mode in args.modes.split(","):
         layers = build(mode, weights)
         total = sum(nbytes(layer) for layer in layers)
-        kernels = ("F.linear",) if mode in ("fp32", "bf16") else layers[0].kernels
+        kernels = (("F.linear",) if mode in ("fp32", "bf16") else ("invariant",) if mode == "bf16-invariant"
+                   else layers[0].kernels)
         if mode.endswith("-torch") and "native" in kernels:
             kernels = ("native",)  # the decode kernel the layers pick at M <= 8
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, 576, generator=gen)
             xs = {576: x, 1536: torch.randn(m, 1536, generator=gen)}
-            if mode == "bf16" or (mode != "fp32" and args.act_dtype == "bfloat16"):
+            if mode.startswith("bf16") or (mode != "fp32" and args.act_dtype == "bfloat16"):
                 xs = {k: v.to(torch.bfloat16) for k, v in xs.items()}
             for kernel in kernels:
                 if kernel == "native" and not native:
@@ -121,6 +126,10 @@ def main() -> None:
                     def run(layers=layers, xs=xs):
                         for w in layers:
                             F.linear(xs[w.shape[1]], w)
+                elif mode == "bf16-invariant":
+                    def run(layers=layers, xs=xs):
+                        for layer in layers:
+                            layer(xs[layer.in_features])
                 else:
                     def run(layers=layers, xs=xs, kernel=kernel):
                         for layer in layers:
@@ -129,7 +138,7 @@ def main() -> None:
                 row = dict(mode=mode, kernel=kernel, rows=m, bytes=total, seconds=seconds,
                            gb_s=total / seconds / 1e9, fraction=total / seconds / bandwidth)
                 results.append(row)
-                print(f"{mode:<10} {kernel:<9} {m:>4} {total / 2**20:>10.1f} {seconds * 1e3:>9.2f} "
+                print(f"{mode:<14} {kernel:<9} {m:>4} {total / 2**20:>10.1f} {seconds * 1e3:>9.2f} "
                       f"{row['gb_s']:>7.1f} {100 * row['fraction']:>7.0f}%", flush=True)
                 if args.per_shape:
                     for shape in dict.fromkeys(shapes(1)):
@@ -140,6 +149,8 @@ def main() -> None:
                             for layer in group:
                                 if mode in ("fp32", "bf16"):
                                     F.linear(xs[layer.shape[1]], layer)
+                                elif mode == "bf16-invariant":
+                                    layer(xs[layer.in_features])
                                 else:
                                     layer(xs[layer.in_features], kernel=kernel)
                         gs = timed(run_group, 1, args.repeats)
@@ -151,7 +162,7 @@ def main() -> None:
         del layers
     out = Path(args.out or f"results/gemv_t{args.threads}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"threads": args.threads, "bandwidth": bw, "cpu": platform.processor(),
+    out.write_text(json.dumps({"threads": args.threads, "bandwidth": bw, "cpu": cpu_name(),
                                "capability": torch.backends.cpu.get_cpu_capability(), "rows": results}, indent=2))
     print(f"wrote {out}")
 
