@@ -12,9 +12,10 @@ roofline.py's: the best of a large copy and a large sum.
     /tmp/tools/quiet python benchmarks/gemv.py --threads 2 --modes int8,int8-torch,q8_0,q8_0-torch --per-shape
 
 "bf16-invariant" is the bf16 engine's own linear (`InvariantLinear`: AMX tiles, or AVX-512 BF16),
-"bf16" torch's F.linear on the same weights. A mode with "-torch" builds its layers with TESSERA_QUANT_INVARIANT=0: the shape-picked torch /
-AVX-512 kernels that run where the batch-invariant AMX kernel (tessera/quant/invariant.py) does
-not; without the suffix the layers take whatever the machine's default is. `--per-shape` also
+"bf16" torch's F.linear on the same weights. A mode with "-torch" builds its layers with
+TESSERA_QUANT_INVARIANT=0: the shape-picked torch / AVX-512 kernels that run where the
+batch-invariant AMX kernel (tessera/quant/invariant.py) does not; without the suffix the layers
+take whatever the machine's default is. `--per-shape` also
 prints each weight shape's share (its 30 copies, or the one lm_head) in GB/s.
 """
 

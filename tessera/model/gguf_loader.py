@@ -236,7 +236,7 @@ class _Reader(gguf.GGUFReader):
     and each slice of a memmap runs numpy's memmap subclass hooks: for a 49k-token vocabulary and
     its merges (~100k strings) that was most of the 1.8 s an open took (Gemma 3's 262k-token
     vocabulary: 9 s). The same bytes through a plain view (the memmap stays alive as its base,
-    read-only as before) parse in well under half the time.
+    read-only as before) parse in about a third of the time.
     """
 
     @property
