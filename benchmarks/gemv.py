@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -79,6 +80,19 @@ def build(mode: str, weights: list[torch.Tensor]):
     raise ValueError(mode)
 
 
+def run_layers(layers, xs: dict[int, torch.Tensor], mode: str, kernel: str) -> None:
+    """Every layer once on the activation of its input width (the mode picks how a layer is called)."""
+    if mode in ("fp32", "bf16"):
+        for w in layers:
+            F.linear(xs[w.shape[1]], w)
+    elif mode == "bf16-invariant":
+        for layer in layers:
+            layer(xs[layer.in_features])
+    else:
+        for layer in layers:
+            layer(xs[layer.in_features], kernel=kernel)
+
+
 def nbytes(layer) -> int:
     return layer.numel() * layer.element_size() if isinstance(layer, torch.Tensor) else layer.weight_bytes()
 
@@ -123,19 +137,7 @@ def main() -> None:
             for kernel in kernels:
                 if kernel == "native" and not native:
                     continue
-                if mode in ("fp32", "bf16"):
-                    def run(layers=layers, xs=xs):
-                        for w in layers:
-                            F.linear(xs[w.shape[1]], w)
-                elif mode == "bf16-invariant":
-                    def run(layers=layers, xs=xs):
-                        for layer in layers:
-                            layer(xs[layer.in_features])
-                else:
-                    def run(layers=layers, xs=xs, kernel=kernel):
-                        for layer in layers:
-                            layer(xs[layer.in_features], kernel=kernel)
-                seconds = timed(run, 1, args.repeats)
+                seconds = timed(partial(run_layers, layers, xs, mode, kernel), 1, args.repeats)
                 row = dict(mode=mode, kernel=kernel, rows=m, bytes=total, seconds=seconds,
                            gb_s=total / seconds / 1e9, fraction=total / seconds / bandwidth)
                 results.append(row)
@@ -145,16 +147,7 @@ def main() -> None:
                     for shape in dict.fromkeys(shapes(1)):
                         group = [lay for lay, wt in zip(layers, weights, strict=True) if tuple(wt.shape) == shape]
                         gbytes = sum(nbytes(lay) for lay in group)
-
-                        def run_group(group=group, xs=xs, kernel=kernel, mode=mode):
-                            for layer in group:
-                                if mode in ("fp32", "bf16"):
-                                    F.linear(xs[layer.shape[1]], layer)
-                                elif mode == "bf16-invariant":
-                                    layer(xs[layer.in_features])
-                                else:
-                                    layer(xs[layer.in_features], kernel=kernel)
-                        gs = timed(run_group, 1, args.repeats)
+                        gs = timed(partial(run_layers, group, xs, mode, kernel), 1, args.repeats)
                         results.append(dict(mode=mode, kernel=kernel, rows=m, shape=shape, copies=len(group),
                                             bytes=gbytes, seconds=gs, gb_s=gbytes / gs / 1e9))
                         print(f"    {shape[0]:>5} x {shape[1]:<5} x{len(group):<3} {gbytes / 2**20:>8.1f} MiB "
