@@ -74,6 +74,52 @@ def test_rotary_matches_hf_on_a_strided_view_of_qkv(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [5, 40])  # a decode's few rows; a prefill's rows split over the threads
+def test_rotary_kv_rotates_q_and_k_and_writes_the_caches(dtype, t):
+    """rotary_kv (the native stack's rotary + cache write in one pass) against HF's rotation in
+    float64 and index_copy_ into the caches, and bit for bit against rotary then write_kv; a slot
+    past the cache is refused before anything is written."""
+    gen = torch.Generator().manual_seed(4)
+    heads, kv, d = 6, 2, 64
+    rope = RotaryEmbedding(d, 10000.0, None, 256)
+    qkv = torch.randn(t, (heads + 2 * kv) * d + 8, generator=gen).to(dtype)[:, 8:]  # a strided view
+    positions = torch.randint(0, 256, (t,), generator=gen)
+    n_slots = 3 * t
+    slots = torch.randperm(n_slots, generator=gen)[:t]
+    caches = [torch.randn(n_slots, kv, d, generator=gen).to(dtype) for _ in range(2)]
+    before = [c.clone() for c in caches]
+    rope.at(positions, dtype)
+    q = kernels.ops().rotary_kv(qkv, rope._cos, rope._sin, positions, heads, kv, d, caches[0], caches[1], slots)
+
+    qk = qkv[:, : (heads + kv) * d].view(t, heads + kv, d)
+    cos, sin = rope.cos_sin(positions, dtype)
+    expected = hf_rotate(qk, cos, sin)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert q.shape == (t, heads, d)
+    torch.testing.assert_close(q.double(), expected[:, :heads], atol=tol, rtol=tol)
+    torch.testing.assert_close(caches[0][slots].double(), expected[:, heads:], atol=tol, rtol=tol)
+    if dtype == torch.bfloat16:
+        assert ulps_apart(q, expected[:, :heads].to(dtype)) <= 1
+        assert ulps_apart(caches[0][slots], expected[:, heads:].to(dtype)) <= 1
+    written = slots.tolist()
+    assert torch.equal(caches[1][slots], qkv[:, (heads + kv) * d:].view(t, kv, d))
+    untouched = [i for i in range(n_slots) if i not in written]
+    assert all(torch.equal(c[untouched], b[untouched]) for c, b in zip(caches, before, strict=True))
+
+    # the unfused pair: the same bits
+    rotated = kernels.ops().rotary(qkv, rope._cos, rope._sin, positions, heads + kv, d)
+    ref = [b.clone() for b in before]
+    kernels.ops().write_kv(rotated[:, heads:], qkv[:, (heads + kv) * d:].view(t, kv, d), ref[0], ref[1], slots)
+    assert torch.equal(q, rotated[:, :heads]) and torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
+
+    bad = torch.cat([slots[:-1], torch.tensor([n_slots])])
+    fresh = [b.clone() for b in before]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.ops().rotary_kv(qkv, rope._cos, rope._sin, positions, heads, kv, d, fresh[0], fresh[1], bad)
+    assert torch.equal(fresh[0], before[0]) and torch.equal(fresh[1], before[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_matches_silu_then_product(dtype):
     torch.manual_seed(2)
     gate_up = (3 * torch.randn(9, 2 * 1536)).to(dtype)

@@ -1,12 +1,13 @@
 // A llama-family model's decoder stack for one step in one call: per layer add_rms_norm, the
-// fused qkv linear, rotary on q and k, write_kv, paged_attention, the o linear, add_rms_norm,
-// gate_up, silu_mul and down; then the final norm.
+// fused qkv linear, rotary_kv (rotary on q and k, then the cache write), paged_attention, the o
+// linear, add_rms_norm, gate_up, silu_mul and down; then the final norm.
 //
 // Why: the Python module path makes about 25 calls into torch per layer (module calls, views,
 // op dispatch with schema parsing); at a batch-1 decode step of a 30-layer model that is several
 // milliseconds against 16 of kernels. Here the same ops run through the C++ dispatcher (handles
-// looked up once), with the same arguments in the same order, so every result is bit for bit
-// the module path's: the tests compare the two. The profiler still sees each op.
+// looked up once), with the same arguments in the same order (rotary and write_kv as one op,
+// rotary_kv, with the same arithmetic), so every result is bit for bit the module path's: the
+// tests compare the two. The profiler still sees each op.
 //
 // Inputs (tessera/model/native_stack.py builds them): per layer the two norm weights in `norms`;
 // per linear (qkv, o, gate_up, down of each layer) four tensor slots in `lin_tensors` and two
@@ -63,10 +64,9 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
                                                 int64_t)>("tessera_inv::linear_bf16");
   static const auto f32 = op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t)>(
       "tessera_inv::linear_f32");
-  static const auto rotary = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                           int64_t, int64_t)>("tessera_inv::rotary");
-  static const auto write_kv = op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
-                                       const at::Tensor&)>("tessera_inv::write_kv");
+  static const auto rotary_kv = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                              int64_t, int64_t, int64_t, at::Tensor&, at::Tensor&, const at::Tensor&)>(
+      "tessera_inv::rotary_kv");
   static const auto attention = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                               const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double,
                                               int64_t, const OptTensor&, const OptTensor&, int64_t)>(
@@ -93,7 +93,7 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
     at::Tensor y = quant_linear(x, lin_tensors, 4 * li, kind, fmt, n);
     return bias.has_value() ? y + *bias : y;
   };
-  const int64_t tokens = hidden.size(0), qkv_n = (h + 2 * hkv) * d;
+  const int64_t qkv_n = (h + 2 * hkv) * d;
   const OptTensor none;
   at::Tensor x = hidden, residual;
   for (int64_t l = 0; l < layers; ++l) {
@@ -103,11 +103,10 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
     std::tie(normed, residual) = norm.call(x, l == 0 ? none : OptTensor(residual), w[0], eps);
     const OptTensor bias = qkv_bias.get(l);
     const at::Tensor qkv = linear(l, 0, normed, bias, qkv_n);
-    const at::Tensor qk = rotary.call(qkv, cos, sin, positions, h + hkv, d);  // [T, h + hkv, d]
-    const at::Tensor k = qk.narrow(1, h, hkv), v = qkv.narrow(1, (h + hkv) * d, hkv * d).view({tokens, hkv, d});
     at::Tensor k_cache = kv[2 * l], v_cache = kv[2 * l + 1];
-    write_kv.call(k, v, k_cache, v_cache, slots);
-    const at::Tensor attn = attention.call(qk.narrow(1, 0, h), k_cache, v_cache, block_tables, token_row, token_ctx,
+    // q rotated [T, h, d]; k rotated and v written into the caches (rotary then write_kv in one pass)
+    const at::Tensor q = rotary_kv.call(qkv, cos, sin, positions, h, hkv, d, k_cache, v_cache, slots);
+    const at::Tensor attn = attention.call(q, k_cache, v_cache, block_tables, token_row, token_ctx,
                                            block_size, scale, windows[l], none, none, -1);
     const at::Tensor o = linear(l, 1, attn, none, hidden_size);
     std::tie(normed, residual) = norm.call(o, OptTensor(residual), w[1], eps);
