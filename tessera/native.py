@@ -137,6 +137,10 @@ def load_extension(name: str, sources: tuple[Path, ...], defines: tuple[str, ...
     start = time.perf_counter()
     directory = build_dir(name, sources, defines)
     clear_stale_lock(directory)
+    if not (directory / f"{name}.so").is_file():
+        # A cold start spends most of its time here: say so before the wait, not after it.
+        logger.info("compiling native extension %s (first use of these sources with this torch and CPU, "
+                    "about a minute; cached in %s)", name, directory)
     try:
         cpp_extension.load(
             name=name,

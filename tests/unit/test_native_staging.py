@@ -70,3 +70,26 @@ def test_each_torch_installation_has_its_own_extension_folder(monkeypatch):
     monkeypatch.setattr(native.torch, "__file__", "/elsewhere/site-packages/torch/__init__.py")
     elsewhere = native.extensions_root()
     assert here != elsewhere and here.parent == elsewhere.parent
+
+
+def test_a_cold_build_says_it_is_compiling_before_it_starts(tmp_path, monkeypatch, caplog):
+    """The first use of a set of sources compiles for about a minute: the log says so before the
+    build starts; a library already built is loaded without that line."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    sources = _checkout(tmp_path / "main", "// a\n")
+    seen: list[bool] = []
+
+    def fake_load(name, build_directory, **_):
+        seen.append(any("compiling native extension" in r.getMessage() for r in caplog.records))
+        open(os.path.join(build_directory, f"{name}.so"), "w").close()
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    caplog.set_level("INFO", logger="tessera")
+    assert native.load_extension.__wrapped__("probe", sources)
+    assert seen == [True]  # announced before the compiler ran
+    caplog.clear()
+    assert native.load_extension.__wrapped__("probe", sources)
+    assert seen == [True, False]
+    assert not any("compiling" in r.getMessage() for r in caplog.records)
