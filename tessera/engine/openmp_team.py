@@ -1,7 +1,7 @@
 """Hand the OpenMP worker threads over to the engine thread.
 
 Each thread that opens an OpenMP parallel region keeps a team of worker threads of its own. The
-server loads and warms the model on the main thread, then steps it on the engine thread
+server loads the model on the main thread, then warms and steps it on the engine thread
 (tessera.engine.async_engine), so the process ends up with two teams: four libgomp threads on a
 two-core machine. libgomp lets a worker spin at the end of a region (so the next region, a few
 microseconds later, starts without a futex wake-up) only while it manages no more threads than

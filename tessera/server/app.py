@@ -44,9 +44,8 @@ def create_app(config: EngineConfig, served_model_name: str | None = None, api_k
     name = served_model_name or config.model
     metrics = ServerMetrics(name)
     llm_engine = LLMEngine(config)
-    if warmup:
-        warm_up(llm_engine)
-    engine = AsyncLLMEngine(llm_engine, observer=metrics)
+    # warmed on the thread that will step it (the constructor returns once that is done)
+    engine = AsyncLLMEngine(llm_engine, observer=metrics, warm_up=warm_up if warmup else None)
     return build_app(engine, metrics, served_model_name=name, api_key=api_key, model_root=config.model,
                      limits=limits, allowed_origins=allowed_origins, tool_call_parser=tool_call_parser)
 

@@ -46,7 +46,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Level of uvicorn's own log (default: --log-level).")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="Skip the warm-up steps (a prefill and decodes at every batch-size bucket) that run "
-                             "before /health answers; the first requests then pay the first-run cost.")
+                             "on the engine thread before /health answers; the first requests then pay the "
+                             "first-run cost.")
     parser.add_argument("--no-access-log", dest="access_log", action="store_false",
                         help="No uvicorn line per HTTP request (Tessera's per-request line stays).")
     parser.add_argument("--disable-log-requests", action="store_true",

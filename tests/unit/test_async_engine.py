@@ -283,3 +283,37 @@ def test_observer_sees_every_step_on_the_engine_thread(fake):
         engine.shutdown()
     assert [ids for _, ids in seen] == [["o"], ["o"], ["o"]]
     assert {tid for tid, _ in seen} == fake.step_threads
+
+
+def test_the_warm_up_runs_on_the_engine_thread_before_the_constructor_returns(fake):
+    """The warm-up steps on the thread that later serves (its allocator arena and OpenMP workers
+    are the ones that get warm), and no request is taken before it is done."""
+    warmed_on = []
+
+    def warm_up(eng):
+        time.sleep(0.05)  # the constructor must still be waiting
+        eng.add_request("warm", [1], params(2))
+        while eng.has_unfinished_requests():
+            eng.step()
+        warmed_on.append(threading.get_ident())
+
+    engine = AsyncLLMEngine(fake, warm_up=warm_up)
+    try:
+        assert warmed_on and warmed_on[0] != threading.get_ident()  # done, and not on this thread
+
+        async def one():
+            return [o async for o in engine.generate([5], params(2), "r")]
+
+        outs = asyncio.run(one())
+        assert outs[-1].outputs[0].token_ids == [6, 7]
+        assert fake.step_threads == {warmed_on[0]}  # the warm-up's steps and the served ones: one thread
+    finally:
+        engine.shutdown()
+
+
+def test_a_failed_warm_up_is_raised_by_the_constructor(fake):
+    def warm_up(eng):
+        raise RuntimeError("no kernels")
+
+    with pytest.raises(RuntimeError, match="the warm-up failed.*no kernels"):
+        AsyncLLMEngine(fake, warm_up=warm_up)
