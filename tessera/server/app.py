@@ -34,11 +34,13 @@ from tessera.server.serving import OpenAIServer
 
 def create_app(config: EngineConfig, served_model_name: str | None = None, api_key: str | None = None,
                limits: ServerLimits | None = None, allowed_origins: list[str] | None = None,
-               tool_call_parser: str = "hermes", warmup: bool = True) -> FastAPI:
+               tool_call_parser: str = "hermes", warmup: bool = True, kv_prefault: bool = True) -> FastAPI:
     """Load the engine for `config` (seconds) and build the app around it; the app owns the engine.
     warmup: run tessera.engine.warmup first (the socket is not served, so /health cannot answer
-    before it is done); the metrics never see its requests."""
+    before it is done); the metrics never see its requests. kv_prefault: fault the KV pool in on
+    an idle-priority thread (tessera.engine.kv_prefault)."""
     from tessera.engine.engine import LLMEngine
+    from tessera.engine.kv_prefault import KVPrefaulter
     from tessera.engine.warmup import warm_up
 
     name = served_model_name or config.model
@@ -46,8 +48,12 @@ def create_app(config: EngineConfig, served_model_name: str | None = None, api_k
     llm_engine = LLMEngine(config)
     # warmed on the thread that will step it (the constructor returns once that is done)
     engine = AsyncLLMEngine(llm_engine, observer=metrics, warm_up=warm_up if warmup else None)
-    return build_app(engine, metrics, served_model_name=name, api_key=api_key, model_root=config.model,
-                     limits=limits, allowed_origins=allowed_origins, tool_call_parser=tool_call_parser)
+    runner = llm_engine.runner
+    prefault = KVPrefaulter(runner.kv_caches, runner.block_size).start() if kv_prefault else None
+    app = build_app(engine, metrics, served_model_name=name, api_key=api_key, model_root=config.model,
+                    limits=limits, allowed_origins=allowed_origins, tool_call_parser=tool_call_parser)
+    app.state.kv_prefault = prefault
+    return app
 
 
 def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, *, served_model_name: str,

@@ -48,6 +48,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Skip the warm-up steps (a prefill and decodes at every batch-size bucket) that run "
                              "on the engine thread before /health answers; the first requests then pay the "
                              "first-run cost.")
+    parser.add_argument("--no-kv-prefault", dest="kv_prefault", action="store_false",
+                        help="Keep the KV pool lazy (resident only as far as it has been used) instead of faulting "
+                             "it in on a background thread whenever a core is idle.")
     parser.add_argument("--no-access-log", dest="access_log", action="store_false",
                         help="No uvicorn line per HTTP request (Tessera's per-request line stays).")
     parser.add_argument("--disable-log-requests", action="store_true",
@@ -173,7 +176,8 @@ def run_server(args: argparse.Namespace) -> int:
         else:
             app = create_app(engine_config, served_model_name=args.served_model_name, api_key=api_key,
                              limits=limits, allowed_origins=origins,
-                             tool_call_parser=args.tool_call_parser, warmup=args.warmup)
+                             tool_call_parser=args.tool_call_parser, warmup=args.warmup,
+                             kv_prefault=args.kv_prefault)
         from tessera.advisor.commands import attach_serve_advisor
 
         attach_serve_advisor(app, args)

@@ -38,6 +38,7 @@ class ServerProcess:
                     "--dtype", "float32", "--max-model-len", "256", "--served-model-name", MODEL,
                     "--num-threads", str(num_threads), "--no-access-log", "--log-level", "warning",
                     "--no-warmup",  # the warm-up has its own tests (test_warmup.py)
+                    "--no-kv-prefault",  # RSS is measured here: only requests may move it (test_kv_prefault.py)
                     *flags]
         self.proc: subprocess.Popen | None = None
         self.log: list[str] = []
