@@ -20,6 +20,7 @@ traffic arrives, between bursts) and never slows a step. The server starts one a
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import sys
@@ -35,7 +36,8 @@ _PAGE = 4096
 BLOCKS_PER_CALL = 64  # a run of blocks per madvise call and tensor (~0.4 MB for the default model)
 
 
-def _libc():
+@functools.cache
+def _madvise():
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -52,7 +54,7 @@ def _libc():
 def populate(addr: int, length: int) -> bool:
     """MADV_POPULATE_WRITE over the pages covering [addr, addr + length); False where the kernel or
     platform does not have it."""
-    madvise = _libc()
+    madvise = _madvise()
     if madvise is None or length <= 0:
         return False
     start = addr & ~(_PAGE - 1)

@@ -71,7 +71,8 @@ def test_the_whole_pool_becomes_resident_and_its_contents_stay():
 
 def test_nothing_runs_without_cpu_tensors():
     prefault = KVPrefaulter([(torch.empty(0), torch.empty(0))], block_size=16).start()
-    assert prefault.num_blocks == 0 and prefault._thread is None
+    prefault.join(timeout=0)  # no thread to wait for
+    assert prefault.num_blocks == 0 and prefault.done_blocks == 0
     prefault.stop()
 
 

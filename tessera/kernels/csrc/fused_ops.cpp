@@ -210,8 +210,8 @@ void rotary_kv_rows(const T* x, int64_t row_stride, const float* cos, const floa
 // strided) in one pass: q rotated into the result [T, heads, d], k rotated straight into
 // k_cache[slots[t]] and v copied into v_cache[slots[t]] (caches [S, kv_heads, d]). The same
 // arithmetic as rotary then write_kv, so the same bits. Why: at a 32-sequence decode step the two
-// calls took ~44 us a layer (Intel Xeon model 167), the cache write on one thread and mostly
-// the first touch of a fresh block's pages; here both threads share the tokens.
+// calls took ~44 us a layer (Intel Xeon model 167), the cache write on one thread, much of it
+// the first touch of fresh cache lines and pages; here both threads share the tokens.
 at::Tensor rotary_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
                      int64_t heads, int64_t kv_heads, int64_t d, at::Tensor& k_cache, at::Tensor& v_cache,
                      const at::Tensor& slots) {
