@@ -65,14 +65,12 @@ def populate(addr: int, length: int) -> bool:
 class KVPrefaulter:
     """Populates `caches` (per layer a tuple of tensors whose first dimension is num_blocks *
     block_size slots, as allocate_kv_cache makes them) block run by block run, lowest block ids
-    first, on a daemon thread at idle priority. `start()` returns at once; `stop()` ends it early."""
+    first, on a daemon thread at idle priority. `start()` returns at once."""
 
     def __init__(self, caches: list[tuple[torch.Tensor, ...]], block_size: int) -> None:
         self.tensors = [t for layer in caches for t in layer if t.device.type == "cpu" and t.numel()]
         self.num_blocks = self.tensors[0].shape[0] // block_size if self.tensors else 0
         self.done_blocks = 0  # blocks populated in every tensor so far
-        self.seconds = 0.0
-        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> KVPrefaulter:
@@ -80,11 +78,6 @@ class KVPrefaulter:
             self._thread = threading.Thread(target=self._run, name="tessera-kv-prefault", daemon=True)
             self._thread.start()
         return self
-
-    def stop(self, timeout: float | None = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
 
     def join(self, timeout: float | None = None) -> None:
         if self._thread is not None:
@@ -98,8 +91,6 @@ class KVPrefaulter:
         started = time.perf_counter()
         spans = [(t.data_ptr(), t.numel() * t.element_size() // self.num_blocks) for t in self.tensors]
         for first in range(0, self.num_blocks, BLOCKS_PER_CALL):
-            if self._stop.is_set():
-                return
             count = min(BLOCKS_PER_CALL, self.num_blocks - first)
             for base, block_bytes in spans:
                 if not populate(base + first * block_bytes, count * block_bytes):
@@ -107,5 +98,5 @@ class KVPrefaulter:
                                  ctypes.get_errno())
                     return
             self.done_blocks = first + count
-        self.seconds = time.perf_counter() - started
-        logger.info("KV pool resident: %d blocks faulted in on an idle core in %.1fs", self.num_blocks, self.seconds)
+        logger.info("KV pool resident: %d blocks faulted in on an idle core in %.1fs", self.num_blocks,
+                    time.perf_counter() - started)

@@ -73,7 +73,6 @@ def test_nothing_runs_without_cpu_tensors():
     prefault = KVPrefaulter([(torch.empty(0), torch.empty(0))], block_size=16).start()
     prefault.join(timeout=0)  # no thread to wait for
     assert prefault.num_blocks == 0 and prefault.done_blocks == 0
-    prefault.stop()
 
 
 def test_the_server_starts_one_unless_told_not_to(tiny_model_dir):

@@ -18,6 +18,21 @@
 #include <cstdint>
 #include <cstring>
 
+namespace {
+
+// slots as a long tensor of one cache slot per token, every slot checked against the cache's
+// n_slots before anything is written (a refused call writes nothing): write_kv's and rotary_kv's.
+at::Tensor checked_slots(const at::Tensor& slots, int64_t tokens, int64_t n_slots, const char* op) {
+  auto idx = slots.to(at::kLong).contiguous();
+  TORCH_CHECK(idx.dim() == 1 && idx.size(0) == tokens, op, ": one slot per token");
+  const int64_t* sp = idx.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < n_slots, op, ": slot ", sp[t], " outside the cache's ", n_slots);
+  return idx;
+}
+
+}  // namespace
+
 // AVX-512 (with bf16 conversions) for everything below, whatever -march=native says: the library
 // must also build on CPUs without it (Zen 3), where tessera.kernels.fused() keeps the torch path.
 #pragma GCC push_options
@@ -222,12 +237,8 @@ at::Tensor rotary_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
   TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type(),
               "rotary_kv: the caches must have qkv's dtype");
   const int64_t tokens = qkv.size(0);
-  auto idx = slots.to(at::kLong).contiguous();
-  TORCH_CHECK(idx.dim() == 1 && idx.size(0) == tokens, "rotary_kv: one slot per token");
+  const auto idx = checked_slots(slots, tokens, k_cache.size(0), "rotary_kv");
   const int64_t* sp = idx.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t)  // all checked first: a refused call writes nothing
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < k_cache.size(0), "rotary_kv: slot ", sp[t], " outside the cache's ",
-                k_cache.size(0));
   auto q = at::empty({tokens, heads, d}, qkv.options());
   AT_DISPATCH_SWITCH(qkv.scalar_type(), "rotary_kv",
     AT_DISPATCH_CASE(at::kFloat, [&] {
@@ -301,16 +312,13 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   const int64_t row = k.size(1) * k.size(2);
   for (const at::Tensor* t : {&k, &v})
     TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2), "write_kv: each token's [Hkv, d] must be contiguous");
-  auto idx = slots.to(at::kLong).contiguous();
-  TORCH_CHECK(idx.dim() == 1 && idx.size(0) == k.size(0), "write_kv: one slot per token");
+  const auto idx = checked_slots(slots, k.size(0), k_cache.size(0), "write_kv");
   const int64_t* sp = idx.data_ptr<int64_t>();
-  const int64_t n_slots = k_cache.size(0), elt = k.element_size();
+  const int64_t elt = k.element_size();
   const char* kp = static_cast<const char*>(k.data_ptr());
   const char* vp = static_cast<const char*>(v.data_ptr());
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
-  for (int64_t t = 0; t < k.size(0); ++t)  // all checked first: a refused call writes nothing
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < n_slots, "write_kv: slot ", sp[t], " outside the cache's ", n_slots);
   // A prefill's rows in parallel: its slots are fresh cache lines (often fresh pages, faulted in
   // on this first write), so a 256-token layer took ~70 us on one thread (Intel Xeon model 167).
   // A decode's few rows stay on the calling thread (one task below kWriteGrain).
