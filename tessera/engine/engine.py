@@ -110,7 +110,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         model = build_model(files, self.dtype, config.device, config.attention_backend, config.quantization,
                             config.quantize_lm_head, config.quant_group_size, config.sparsity)
-        prepare_step_kernels(model, config, self.dtype)
+        prepare_step_kernels(model, config, self.dtype, files)
         self.tokenizer = Tokenizer(resolve_model_path(config.tokenizer) if config.tokenizer else path, mc,
                                    chat_template=config.chat_template)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)

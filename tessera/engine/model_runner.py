@@ -22,13 +22,14 @@ from tessera.quant.kv import allocate_kv_cache
 logger = logging.getLogger("tessera")
 
 
-def prepare_step_kernels(model: torch.nn.Module, config, dtype: torch.dtype) -> int:
+def prepare_step_kernels(model: torch.nn.Module, config, dtype: torch.dtype, files=None) -> int:
     """Put the batch-invariant linear kernels (tessera/kernels) in the model where they pay.
 
     bf16 where the CPU has AVX-512 BF16 (AMX tiles or VDPBF16PS): always (as fast as oneDNN at
     prefill sizes and faster at decode sizes, measured on both). float32: only with --deterministic (the fixed-order FMA kernel is slower than MKL's
     prefill GEMM; docs/reproducibility.md has the measured cost). Returns how many weights
-    were swapped."""
+    were swapped. `files` (the model's ModelFiles): a GGUF model in bf16 also keeps its blocks for
+    decode sizes (tessera/quant/gguf_codes.py)."""
     from tessera.kernels.linear import make_linears_invariant, supported
 
     if config.device != "cpu":
@@ -40,6 +41,10 @@ def prepare_step_kernels(model: torch.nn.Module, config, dtype: torch.dtype) -> 
         return 0
     if dtype == torch.bfloat16 or config.deterministic:
         count = make_linears_invariant(model)
+        if dtype == torch.bfloat16 and files is not None:
+            from tessera.quant.gguf_codes import attach_gguf_codes
+
+            attach_gguf_codes(model, files)
         if not config.enforce_eager and hasattr(model, "native_stack"):
             from tessera.model.native_stack import NativeStack
 

@@ -77,9 +77,24 @@ class InvariantLinear(nn.Module):
         if out is None:
             out = memory.zeros(packed_shape(weight), weight.dtype, huge=True)
         self.register_buffer("packed", _pack(weight.detach(), out), persistent=False)
+        self.codes = None  # GGUF blocks of the same W for decode sizes (tessera/quant/gguf_codes.py)
+        self.codes_kind = -1
+
+    def attach_codes(self, tiles, kind: int) -> None:
+        """tiles: a gguf_tiles.KQTiles whose W, rounded to bf16, is this layer's weight; calls of
+        up to gguf_codes.CODES_MAX_ROWS rows then compute from it (the same bits, fewer bytes)."""
+        if self.dtype != torch.bfloat16 or tiles.sub is not None:
+            raise ValueError("GGUF codes serve bf16 weights of the KQ kinds without sub-block scales")
+        self.codes, self.codes_kind = tiles, kind
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        from tessera.quant.gguf_codes import CODES_MAX_ROWS
+
         ops = kernels.ops()
+        if self.codes is not None and bias is None and x.dim() == 2 and x.shape[0] <= CODES_MAX_ROWS:
+            c = self.codes
+            return torch.ops.tessera_qgemm.kqgemm(x.contiguous(), c.codes, c.planes, c.sup, None, self.codes_kind,
+                                                  self.out_features, self.in_features)
         if self.dtype == torch.bfloat16:
             return ops.linear_bf16(x, self.packed, bias, self.out_features, False, BF16_ARITHMETIC)
         return ops.linear_f32(x, self.packed, bias, self.out_features)

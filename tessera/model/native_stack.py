@@ -99,6 +99,8 @@ def _linear_spec(w) -> tuple[int, int, list[torch.Tensor | None]]:
 
     kind = type(w)
     if kind is InvariantLinear:
+        if w.codes is not None:  # decode sizes from the GGUF blocks (tessera/quant/gguf_codes.py)
+            return 4, w.codes_kind, [w.packed, w.codes.codes, w.codes.planes, w.codes.sup]
         return (0 if w.dtype == torch.bfloat16 else 1), 0, [w.packed]
     if not getattr(w, "invariant", False):
         return -1, 0, []

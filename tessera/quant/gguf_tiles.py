@@ -1,18 +1,18 @@
-"""GGUF Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks in the AMX kernel's tile order (the "KQ" format).
+"""GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks in the AMX kernel's tile order (the "KQ" format).
 
 The batch-invariant kernel (csrc/invariant_qgemm.cpp, `kqgemm`) reads a weight per B tile: 16
 output columns x 32 k. A file's blocks run along a row instead, so at load their bits are moved
 (none added, none lost) into that order, and the kernel decodes each tile in registers:
 - `codes`: the low 4 bits of every code, as `invariant.pack_nibbles`;
 - `planes`: int32 [Nb, Kb, 16, P], bit i of plane p = bit 4 + p of value i of a 32-value k-pair
-  row (P = 1 for the 5-bit types, 2 for Q6_K, 0 for Q4_K);
-- `sup`: float16 [Nb, S, F, 16], the super-block's d and dmin (Q4_K, Q5_K), d and m (Q5_1) or
-  d alone (Q5_0, Q6_K: F = 1) per column, S super-blocks over K;
+  row (P = 1 for the 5-bit types, 2 for Q6_K, 0 for Q4_0, Q4_1 and Q4_K);
+- `sup`: float16 [Nb, S, F, 16], the super-block's d and dmin (Q4_K, Q5_K), d and m (Q4_1, Q5_1) or
+  d alone (Q4_0, Q5_0, Q6_K: F = 1) per column, S super-blocks over K;
 - `sub`: 1 byte [Nb, Kb, 2, 16], per 32-wide K step: the 6-bit scale and min (Q4_K, Q5_K) or the
-  two int8 scales of its 16-wide halves (Q6_K); none for Q5_0 / Q5_1.
-The weight is then W = d (q - 16), d q + m, (d sc) q - dmin mn, (d sc) (q - 32) in float32,
-equal to `gguf.quants.dequantize` bit for bit (every product is exact in float32), rounded to
-bf16 per tile in the kernel. Memory: the file's bytes for Q5_0, Q5_1 and Q6_K; Q4_K and Q5_K
+  two int8 scales of its 16-wide halves (Q6_K); none for Q4_0 / Q4_1 / Q5_0 / Q5_1.
+The weight is then W = d (q - 8), d q + m, d (q - 16), (d sc) q - dmin mn, (d sc) (q - 32) in
+float32, equal to `gguf.quants.dequantize` bit for bit (every product is exact in float32), rounded to
+bf16 per tile in the kernel. Memory: the file's bytes for Q4_0, Q4_1, Q5_0, Q5_1 and Q6_K; Q4_K and Q5_K
 keep their 6-bit scales in whole bytes (+0.125 bit a weight); rows are padded to 32.
 """
 
@@ -28,8 +28,9 @@ from tessera.quant import invariant
 from tessera.quant.gguf_kquant import _k_scale_codes, _nibble_subblocks, _q5_codes, _q6_codes
 
 # Which way the kernel forms s and z from sup and sub (csrc: KQKind).
-KIND = {Q.Q5_0: 0, Q.Q5_1: 1, Q.Q4_K: 2, Q.Q5_K: 2, Q.Q6_K: 3}
-PLANES = {Q.Q5_0: 1, Q.Q5_1: 1, Q.Q4_K: 0, Q.Q5_K: 1, Q.Q6_K: 2}
+# Q4_1 is the Q5_1 kind without the fifth bit (s = d, z = m); Q4_0 has a kind of its own (z = -8 d).
+KIND = {Q.Q4_0: 4, Q.Q4_1: 1, Q.Q5_0: 0, Q.Q5_1: 1, Q.Q4_K: 2, Q.Q5_K: 2, Q.Q6_K: 3}
+PLANES = {Q.Q4_0: 0, Q.Q4_1: 0, Q.Q5_0: 1, Q.Q5_1: 1, Q.Q4_K: 0, Q.Q5_K: 1, Q.Q6_K: 2}
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -44,7 +45,11 @@ def split_blocks(raw: torch.Tensor, qtype: Q) -> tuple[torch.Tensor, torch.Tenso
     b = raw.reshape(rows, -1, nbytes)
     nb = b.shape[1]
     sub = None
-    if qtype == Q.Q5_0:
+    if qtype == Q.Q4_0:  # byte j: weight j in the low nibble, weight j + 16 in the high one
+        codes, sup = torch.cat([b[..., 2:] & 15, b[..., 2:] >> 4], -1), _f16(b[..., 0:2])[..., None]
+    elif qtype == Q.Q4_1:
+        codes, sup = torch.cat([b[..., 4:] & 15, b[..., 4:] >> 4], -1), torch.stack([_f16(b[..., 0:2]), _f16(b[..., 2:4])], -1)
+    elif qtype == Q.Q5_0:
         codes, sup = _q5_codes(b[..., 2:6], b[..., 6:22]), _f16(b[..., 0:2])[..., None]
     elif qtype == Q.Q5_1:
         codes, sup = _q5_codes(b[..., 4:8], b[..., 8:24]), torch.stack([_f16(b[..., 0:2]), _f16(b[..., 2:4])], -1)
@@ -69,9 +74,11 @@ def weight(codes: torch.Tensor, sup: torch.Tensor, sub: torch.Tensor | None, qty
     per_sup = k // sup.shape[1]
     d, second = (sup[..., i].float().repeat_interleave(per_sup, dim=1) for i in (0, -1))
     q = codes.float()
+    if qtype == Q.Q4_0:
+        return d * (q - 8)
     if qtype == Q.Q5_0:
         return d * (q - 16)
-    if qtype == Q.Q5_1:
+    if qtype in (Q.Q4_1, Q.Q5_1):
         return d * q + second
     if qtype in (Q.Q4_K, Q.Q5_K):
         sc, mn = (sub[..., i].float().repeat_interleave(32, dim=1) for i in (0, 1))

@@ -31,7 +31,7 @@ from tests.tiny_model import write_gguf_from_hf_dir
 from tests.unit.test_quant_model import decode_logits, logits
 
 # Byte offsets of the float16 fields (d, dmin, m) in each block: random bytes there could be NaN.
-_F16_FIELDS = {Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.Q8_0: [0]}
+_F16_FIELDS = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.Q8_0: [0]}
 
 
 def random_blocks(qtype: Q, rows: int, k: int, seed: int = 0) -> np.ndarray:

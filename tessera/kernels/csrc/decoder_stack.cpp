@@ -16,6 +16,9 @@
 //   2 tessera_qgemm::qgemm(x, codes, scale, zero?, format)  3 tessera_qgemm::kqgemm(x, codes, planes,
 //     sup, sub?, format) -- the quantized modules' batch-invariant kernels; their bias is added
 //     after the product (QuantLinear does `y + bias`), a float linear's inside it;
+//   4 bf16 InvariantLinear with its GGUF blocks (tessera/quant/gguf_codes.py): packed, then codes,
+//     planes, sup; calls of up to kCodesMaxRows rows without a bias take kqgemm(format = the KQ
+//     kind) on the blocks, the others linear_bf16: the same bits either way, fewer bytes at decode;
 // an optional qkv bias per layer, the KV cache pair per layer in `kv`, and the step's rotary
 // tables, slots and attention plan (the tensors tessera/attention/invariant_cpu.py's _kernel_plan
 // makes). dims = (heads, kv heads, head_dim, hidden, intermediate); windows = each layer's
@@ -30,6 +33,9 @@
 namespace {
 
 using OptTensor = std::optional<at::Tensor>;
+
+// As gguf_codes.CODES_MAX_ROWS: the row counts kind 4 reads from the blocks.
+constexpr int64_t kCodesMaxRows = 32;
 
 template <typename Fn>
 c10::TypedOperatorHandle<Fn> op(const char* name) {
@@ -90,6 +96,13 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
     const int64_t li = 4 * l + j, kind = lin_meta[2 * li], fmt = lin_meta[2 * li + 1];
     if (kind == 0) return bf16_linear.call(x, *lin_tensors.get(4 * li), bias, n, false, -1);
     if (kind == 1) return f32.call(x, *lin_tensors.get(4 * li), bias, n);
+    if (kind == 4) {
+      if (bias.has_value() || x.size(0) > kCodesMaxRows) return bf16_linear.call(x, *lin_tensors.get(4 * li), bias, n, false, -1);
+      static const auto kqgemm = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                               const OptTensor&, int64_t, int64_t, int64_t)>("tessera_qgemm::kqgemm");
+      return kqgemm.call(x, *lin_tensors.get(4 * li + 1), *lin_tensors.get(4 * li + 2), *lin_tensors.get(4 * li + 3),
+                         OptTensor(), fmt, n, x.size(1));
+    }
     at::Tensor y = quant_linear(x, lin_tensors, 4 * li, kind, fmt, n);
     return bias.has_value() ? y + *bias : y;
   };

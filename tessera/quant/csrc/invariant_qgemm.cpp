@@ -29,11 +29,12 @@
 //   BF16  codes bf16 [Nb, Kb, 16, 16, 2] (already a B tile), optional remainder tiles as zero
 //                                                                               W = codes (+ zero)
 //   W8A8  codes int8 [Nb, K/64, 16, 16, 4], x int8 [M, Kp] with its own scale sx: y = sum * (sx * sw)
-//   KQ    GGUF Q5_0, Q5_1, Q4_K, Q5_K, Q6_K with their bits rearranged, none added or lost (kqgemm):
+//   KQ    GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K with their bits rearranged, none added or lost (kqgemm):
 //         codes uint8 as INT4 (the low 4 bits of each code), planes int32 [Nb, Kb, 16, P]
 //         (P = 0..2: bit i of plane p is bit 4 + p of value i of a k-pair row), sup f16
 //         [Nb, S, F, 16] (d, and dmin / m where F = 2, per super-block of K / S), sub [Nb, Kb, 2, 16] (Q4_K/Q5_K:
 //         uint8 scale and min of the 32-wide sub-block; Q6_K: int8 scales of its two 16-wide halves)
+//           Q4_0 W = d q - 8 d        Q4_1 W = d q + m (the Q5_1 kind with no plane)
 //           Q5_0 W = d q - 16 d       Q5_1 W = d q + m       Q4_K/Q5_K W = (d sc) q - dmin mn
 //           Q6_K W = (d sc) q - 32 (d sc)                     (each one fma in fp32, then bf16)
 //         Every product before the fma is exact in fp32, so W equals gguf's float32 dequantization.
@@ -54,7 +55,7 @@ namespace {
 
 enum Format : int64_t { kInt8 = 0, kQ8_0 = 1, kInt4 = 2, kBf16 = 3, kKQ = 4 };
 // The KQ kinds: how sup and sub make a column's scale s and offset z (W = fma(s, q, z)).
-enum KQKind : int64_t { kQ5_0 = 0, kQ5_1 = 1, kQK = 2, kQ6_K = 3 };
+enum KQKind : int64_t { kQ5_0 = 0, kQ5_1 = 1, kQK = 2, kQ6_K = 3, kQ4_0 = 4 };
 
 bool amx_permitted() {
   // Linux hands out AMX tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
@@ -138,9 +139,9 @@ __attribute__((target("avx512f,avx512bw"))) inline void kq_scales(const Weight& 
   const int64_t kb = w.kp / 32, g = ks * w.groups / kb;
   const uint16_t* sup = static_cast<const uint16_t*>(w.scale) + (nb * w.groups + g) * 16 * w.sup_fields;
   const __m512 d = f16x16(sup), second = w.sup_fields == 2 ? f16x16(sup + 16) : _mm512_setzero_ps();
-  if (w.kind == kQ5_0 || w.kind == kQ5_1) {
+  if (w.kind == kQ5_0 || w.kind == kQ5_1 || w.kind == kQ4_0) {
     s0 = s1 = d;
-    z0 = z1 = w.kind == kQ5_0 ? _mm512_mul_ps(d, _mm512_set1_ps(-16.f)) : second;
+    z0 = z1 = w.kind == kQ5_1 ? second : _mm512_mul_ps(d, _mm512_set1_ps(w.kind == kQ5_0 ? -16.f : -8.f));
     return;
   }
   const int8_t* sub = static_cast<const int8_t*>(w.sub) + (nb * kb + ks) * 32;
@@ -203,23 +204,24 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void dequant_tile(const W
     const int32_t* planes = w.planes + tile * 16 * w.nplanes;
     __m512 s0, z0, s1, z1, slo, shi, zlo, zhi;
     kq_scales(w, nb, ks, s0, z0, s1, z1);
-    const __m128i low = _mm_set1_epi8(0x0F);
+    // The low 4 bits of each code as fp32 by a lookup (vpermps reads only an index's low 4 bits:
+    // as INT4's, no masks and no conversion), the bit planes added as exact float adds.
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int r = 0; r < 16; ++r) {
       if (r == 0 || r == 8) {
         expand_cols(r ? s1 : s0, slo, shi);
         expand_cols(r ? z1 : z0, zlo, zhi);
       }
-      __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + r * 16));
-      __m512i v0 = _mm512_cvtepu8_epi32(_mm_and_si128(b, low));
-      __m512i v1 = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low));
+      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + r * 16)));
+      __m512 v0 = _mm512_permutexvar_ps(b, iota), v1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), iota);
       for (int64_t p = 0; p < w.nplanes; ++p) {  // bit 4 + p of values 0..15 (low half), 16..31 (high)
         const uint32_t bits = static_cast<uint32_t>(planes[r * w.nplanes + p]);
-        const __m512i add = _mm512_set1_epi32(16 << p);
-        v0 = _mm512_mask_add_epi32(v0, static_cast<__mmask16>(bits & 0xFFFF), v0, add);
-        v1 = _mm512_mask_add_epi32(v1, static_cast<__mmask16>(bits >> 16), v1, add);
+        const __m512 add = _mm512_set1_ps(static_cast<float>(16 << p));
+        v0 = _mm512_mask_add_ps(v0, static_cast<__mmask16>(bits & 0xFFFF), v0, add);
+        v1 = _mm512_mask_add_ps(v1, static_cast<__mmask16>(bits >> 16), v1, add);
       }
-      store_bf16x32(dst + r * 32, lo ? lo + r * 32 : nullptr, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v0), slo, zlo),
-                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(v1), shi, zhi));
+      store_bf16x32(dst + r * 32, lo ? lo + r * 32 : nullptr, _mm512_fmadd_ps(v0, slo, zlo),
+                    _mm512_fmadd_ps(v1, shi, zhi));
     }
   }
 }
@@ -394,6 +396,15 @@ __attribute__((target("avx512f"))) inline void prefetch_pair_ahead(const Weight&
       if (w.nplanes) _mm_prefetch(reinterpret_cast<const char*>(w.planes + t * 16 * w.nplanes), _MM_HINT_T0);
       if (w.sub) _mm_prefetch(static_cast<const char*>(w.sub) + t * 32, _MM_HINT_T0);
     }
+    // and the super-block's d (and m): a new line every tile where a super-block is 32 wide (Q4_1)
+    const int64_t sup_bytes = 32 * w.sup_fields;
+    const auto sup_line = [&](int64_t t) {
+      return static_cast<const char*>(w.scale) + ((t / kb) * w.groups + (t % kb) * w.groups / kb) * sup_bytes;
+    };
+    _mm_prefetch(sup_line(t0), _MM_HINT_T0);
+    _mm_prefetch(sup_line(t1), _MM_HINT_T0);
+    _mm_prefetch(sup_line(u0), _MM_HINT_T1);
+    _mm_prefetch(sup_line(u1), _MM_HINT_T1);
   }
 }
 
@@ -964,7 +975,7 @@ at::Tensor kqgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
                   codes.size(3) == 16, "tessera_qgemm.kq: codes must be uint8 nibble tiles [Nb, Kb, 16, 16]");
   const int64_t nbk = codes.size(0), kb = codes.size(1), np = nbk * 16, kp = kb * 32;
   TORCH_CHECK(nbk % 2 == 0 && np >= n && kp == k, "tessera_qgemm.kq: tiles do not fit [", n, ", ", k, "]");
-  TORCH_CHECK(kind >= kQ5_0 && kind <= kQ6_K, "tessera_qgemm.kq: unknown kind ", kind);
+  TORCH_CHECK(kind >= kQ5_0 && kind <= kQ4_0, "tessera_qgemm.kq: unknown kind ", kind);
   TORCH_CHECK(planes.scalar_type() == at::kInt && planes.is_contiguous() && planes.dim() == 4 &&
                   planes.size(0) == nbk && planes.size(1) == kb && planes.size(2) == 16 && planes.size(3) <= 2,
               "tessera_qgemm.kq: planes must be int32 [Nb, Kb, 16, P <= 2]");

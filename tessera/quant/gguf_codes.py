@@ -1,0 +1,88 @@
+"""A GGUF model in bf16 decodes from the file's own 4/5-bit blocks: the same bits from a third of the bytes.
+
+Loaded in bf16 (the default), a GGUF model's linear weight is bf16(W), W the file's float32
+dequantization, and a decode step is bound by reading those weights (the default model: 213 MB of
+layer weights a step against 66 MB of its Q4_1 blocks). The KQ kernel (gguf_tiles.py,
+csrc/invariant_qgemm.cpp `kqgemm`) computes with the blocks and rounds W to bf16 in registers:
+the same B tiles as the bf16 kernel, the same tile products in the same order, so the same output
+bits (tests/unit/test_gguf_codes.py checks it row count by row count), with the dequantization
+in place of two thirds of the weight reads. That pays only where the reads are the step's bound:
+up to CODES_MAX_ROWS rows (decodes; the tiles' dequantization is done once per call and shared by
+its rows only up to there). Larger calls (prefill chunks) keep the bf16 weight, so both stay in
+memory (+66 MB for the default model).
+
+Where: AMX CPUs (both kernels on the tile unit; the AVX-512 BF16 fallbacks order their sums
+differently), bf16 weights, slots whose parts are all one of Q4_0, Q4_1, Q5_0, Q5_1 (the KQ kinds
+without sub-block scales), calls without a bias (a bias is added before the bf16 kernel's rounding
+and after kqgemm's). `TESSERA_GGUF_CODES=0` turns it off, for A/B runs (docs/kernels.md, session 27).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from tessera import memory
+
+logger = logging.getLogger("tessera")
+
+# Row counts up to this take the blocks (column_pair_small in csrc/invariant_qgemm.cpp handles 32
+# rows; above it the whole-K path loses to the bf16 weight: 120 linears at 48 rows 29 ms against
+# 25, at 32 13.5 against 17.6, Intel Xeon model 167). decoder_stack.cpp has the same constant.
+CODES_MAX_ROWS = 32
+TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)
+
+
+def enabled() -> bool:
+    from tessera.quant import invariant
+
+    return os.environ.get("TESSERA_GGUF_CODES", "1") != "0" and invariant.available() and invariant.cpu_has_amx()
+
+
+def _raw_rows(tensor) -> torch.Tensor:
+    """A GGUF tensor's block bytes as uint8 [rows, bytes per row]."""
+    rows = int(np.prod(tensor.shape[1:]))  # GGUF lists dims innermost first
+    return torch.from_numpy(np.ascontiguousarray(tensor.data).view(np.uint8).reshape(rows, -1).copy())
+
+
+@torch.no_grad()
+def attach_gguf_codes(model, files) -> int:
+    """Give each bf16 InvariantLinear whose GGUF parts are one KQ type without sub-block scales
+    its blocks in tile order; returns how many. Not a GGUF file, or not enabled here: 0."""
+    from tessera.kernels.linear import InvariantLinear
+    from tessera.model.gguf_loader import GGUFModelFiles
+    from tessera.quant.gguf_tiles import KIND, KQTiles
+
+    if not isinstance(files, GGUFModelFiles) or not enabled():
+        return 0
+    found = []
+    for slot in model.linear_slots():
+        w = getattr(slot.owner, slot.attr)
+        if type(w) is not InvariantLinear or w.dtype != torch.bfloat16 or not slot.parts:
+            continue
+        tensors = [files.source_tensor(n) for n in slot.parts]
+        qtypes = {t.tensor_type for t in tensors}
+        if len(qtypes) != 1 or (qtype := qtypes.pop()) not in TYPES:
+            continue
+        raw = []
+        for name, t in zip(slot.parts, tensors, strict=True):
+            rows = _raw_rows(t)  # a row's blocks are its own, so the loader's row order applies to them
+            raw.append(transform(rows) if (transform := files.row_transform(name)) is not None else rows)
+        found.append((w, KQTiles.pack(torch.cat(raw), qtype), KIND[qtype]))
+    # One huge-page buffer in call order, as the bf16 weights' (tessera.memory.Arena): a decode
+    # streams it from layer to layer. Separate allocations ran the 120 linears no faster than bf16.
+    parts = [t for _, tiles, _ in found for t in (tiles.codes, tiles.sup)]
+    arena = memory.Arena([(t.shape, t.dtype) for t in parts], huge=True)
+    for w, tiles, kind in found:
+        tiles.codes = arena.take(tiles.codes.shape, tiles.codes.dtype).copy_(tiles.codes)
+        tiles.sup = arena.take(tiles.sup.shape, tiles.sup.dtype).copy_(tiles.sup)
+        w.attach_codes(tiles, kind)
+    count, nbytes = len(found), sum(tiles.nbytes() for _, tiles, _ in found)
+    if count:
+        logger.info("decode steps read %d linear weights from the GGUF blocks (%.1f MiB; the bf16 copies "
+                    "serve prefill chunks, same bits either way)", count, nbytes / 2**20)
+    return count

@@ -1,0 +1,122 @@
+"""A GGUF model in bf16 decodes from the file's blocks (tessera/quant/gguf_codes.py): the blocks in
+tile order hold the file's weight bit for bit, the codes kernel gives the bf16 kernel's output bit
+for bit at every row count, and an engine with them gives the same tokens and logprobs as one
+without, through the native stack and the module path."""
+
+from __future__ import annotations
+
+import logging
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+
+from tessera import SamplingParams, kernels
+from tessera.config import EngineConfig
+from tessera.engine.engine import LLMEngine
+from tessera.kernels.linear import InvariantLinear
+from tessera.quant import gguf_codes, invariant
+from tessera.quant.gguf_tiles import KIND, KQTiles
+from tests.tiny_model import write_gguf_from_hf_dir
+from tests.unit.test_gguf_kquant import random_blocks
+
+needs_amx = pytest.mark.skipif(
+    not (kernels.available() and invariant.available() and invariant.cpu_has_amx()),
+    reason="the codes path runs where both kernels are on AMX tiles")
+
+
+@pytest.mark.parametrize("qtype", gguf_codes.TYPES)
+def test_tiles_hold_the_files_weight_bit_for_bit(qtype):
+    raw = random_blocks(qtype, 70, 256, seed=11)
+    tiles = KQTiles.pack(torch.from_numpy(raw.copy()), qtype)
+    want = gguf.quants.dequantize(raw, qtype)
+    ids = torch.arange(70)
+    assert np.array_equal(tiles.rows(ids, 256, qtype).numpy().view(np.uint32), want.view(np.uint32))
+    # the file's bytes, nothing more: rows padded to 32, Q4 blocks 18 / 20 bytes per 32 weights
+    block, nbytes = gguf.constants.GGML_QUANT_SIZES[qtype]
+    assert tiles.nbytes() == 96 * (256 // block) * nbytes
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", gguf_codes.TYPES)
+def test_codes_give_the_bf16_kernels_bits_at_every_row_count(qtype):
+    raw = random_blocks(qtype, 96, 512, seed=12)
+    w = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
+    plain, coded = InvariantLinear(w.bfloat16()), InvariantLinear(w.bfloat16())
+    coded.attach_codes(KQTiles.pack(torch.from_numpy(raw.copy()), qtype), KIND[qtype])
+    gen = torch.Generator().manual_seed(13)
+    for m in (1, 3, 16, 17, 32, 33, 100):
+        x = torch.randn(m, 512, generator=gen).bfloat16()
+        want = plain(x)
+        assert torch.equal(coded(x), want), f"{m} rows"
+        # and the bf16 kernel is the float64 product to bf16 precision
+        ref = F.linear(x.double(), w.bfloat16().double())
+        assert ((want.double() - ref).abs() <= 2**-7 * (x.double().abs() @ w.double().abs().t()) + 1e-6).all()
+    bias = torch.randn(96, generator=gen).bfloat16()
+    x = torch.randn(4, 512, generator=gen).bfloat16()
+    assert torch.equal(coded(x, bias), plain(x, bias))  # a bias takes the bf16 weight
+
+
+@needs_amx
+def test_the_codes_are_what_small_calls_read():
+    """Codes of another weight change the output of calls up to CODES_MAX_ROWS rows and of no larger
+    one: the bit-for-bit test above is not passing because the codes go unused."""
+    raw, other = random_blocks(Q.Q4_1, 64, 256, seed=14), random_blocks(Q.Q4_1, 64, 256, seed=15)
+    layer = InvariantLinear(torch.from_numpy(gguf.quants.dequantize(raw, Q.Q4_1)).bfloat16())
+    small = torch.randn(gguf_codes.CODES_MAX_ROWS, 256).bfloat16()
+    large = torch.randn(gguf_codes.CODES_MAX_ROWS + 1, 256).bfloat16()
+    before = layer(small), layer(large)
+    layer.attach_codes(KQTiles.pack(torch.from_numpy(other.copy()), Q.Q4_1), KIND[Q.Q4_1])
+    assert not torch.equal(layer(small), before[0])
+    assert torch.equal(layer(large), before[1])
+
+
+def test_codes_serve_bf16_weights_only():
+    if not (kernels.available() and kernels.cpu_has_avx512_bf16()):
+        pytest.skip("needs the float32 InvariantLinear's kernels")
+    layer = InvariantLinear(torch.randn(32, 64))
+    with pytest.raises(ValueError, match="bf16 weights"):
+        layer.attach_codes(KQTiles.pack(torch.from_numpy(random_blocks(Q.Q4_0, 32, 64)), Q.Q4_0), KIND[Q.Q4_0])
+
+
+PROMPTS = [list(range(5, 45)), list(range(7, 12)), [3] * 60 + list(range(20, 50))]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
+def _generate(path, eager: bool) -> tuple[dict, LLMEngine]:
+    # A small token budget puts prefill chunks (bf16 weights) next to decodes (the codes).
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", enforce_eager=eager, max_model_len=256,
+                                    max_num_batched_tokens=32))
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, GREEDY)
+    out = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = (o.outputs[0].token_ids, o.outputs[0].logprobs)
+    return out, engine
+
+
+def _coded(engine: LLMEngine) -> int:
+    return sum(m.codes is not None for m in engine.runner.model.modules() if isinstance(m, InvariantLinear))
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_0])
+@pytest.mark.parametrize("eager", [False, True])
+def test_engine_with_codes_equals_engine_without(tiny_model_factory, tmp_path, monkeypatch, caplog, qtype, eager):
+    path = write_gguf_from_hf_dir(tiny_model_factory(), tmp_path / "t.gguf", qtype=qtype)
+    monkeypatch.setenv("TESSERA_GGUF_CODES", "0")
+    want, engine = _generate(path, eager)
+    assert _coded(engine) == 0
+    monkeypatch.delenv("TESSERA_GGUF_CODES")
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        got, engine = _generate(path, eager)
+    layers = engine.runner.model.config.num_layers
+    assert _coded(engine) == 4 * layers  # qkv, o, gate_up, down; the lm_head keeps its bf16 weight
+    assert "from the GGUF blocks" in caplog.text
+    assert (engine.runner.model.native_stack is None) == eager
+    assert got == want
