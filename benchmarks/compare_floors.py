@@ -56,6 +56,22 @@ def gguf_weight_bytes(path: str) -> int:
     return sum(tensors.values())
 
 
+def bf16_codes_saving(path: str) -> int:
+    """Bytes a Tessera bf16 decode step does not read on this machine because it computes its layer
+    weights from the GGUF file's blocks (tessera/quant/gguf_codes.py: Q4_0/Q4_1/Q5_0/Q5_1 tensors, AMX
+    CPUs, unless TESSERA_GGUF_CODES=0): per such tensor its bf16 bytes less its file bytes. 0 where the
+    engine reads bf16 (another file type, no AMX), so its floor is the bytes it reads."""
+    from gguf import GGUFReader
+
+    from tessera.kernels import cpu_flags
+    from tessera.quant.gguf_codes import TYPES
+
+    if os.environ.get("TESSERA_GGUF_CODES", "1") == "0" or "amx_bf16" not in cpu_flags() or not str(path).endswith(".gguf"):
+        return 0
+    return sum(int(t.n_elements) * 2 - int(t.n_bytes) for t in GGUFReader(path).tensors
+               if t.name.startswith("blk.") and t.tensor_type in TYPES)
+
+
 def _step(cfg: ModelConfig, tokens: int, contexts: list[tuple[int, int]], logit_rows: int, elem: int,
           weight_bytes: int | None) -> dict:
     c = count_step(cfg, tokens, contexts, logit_rows, elem, elem)
