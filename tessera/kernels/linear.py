@@ -88,13 +88,14 @@ class InvariantLinear(nn.Module):
         self.codes, self.codes_kind = tiles, kind
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        from tessera.quant.gguf_codes import CODES_MAX_ROWS
+        if self.codes is not None and bias is None and x.dim() == 2:
+            from tessera.quant.gguf_codes import CODES_MAX_ROWS
 
+            if x.shape[0] <= CODES_MAX_ROWS:
+                c = self.codes
+                return torch.ops.tessera_qgemm.kqgemm(x.contiguous(), c.codes, c.planes, c.sup, None,
+                                                      self.codes_kind, self.out_features, self.in_features)
         ops = kernels.ops()
-        if self.codes is not None and bias is None and x.dim() == 2 and x.shape[0] <= CODES_MAX_ROWS:
-            c = self.codes
-            return torch.ops.tessera_qgemm.kqgemm(x.contiguous(), c.codes, c.planes, c.sup, None, self.codes_kind,
-                                                  self.out_features, self.in_features)
         if self.dtype == torch.bfloat16:
             return ops.linear_bf16(x, self.packed, bias, self.out_features, False, BF16_ARITHMETIC)
         return ops.linear_f32(x, self.packed, bias, self.out_features)
