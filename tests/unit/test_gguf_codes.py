@@ -86,37 +86,50 @@ PROMPTS = [list(range(5, 45)), list(range(7, 12)), [3] * 60 + list(range(20, 50)
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
 
 
-def _generate(path, eager: bool) -> tuple[dict, LLMEngine]:
-    # A small token budget puts prefill chunks (bf16 weights) next to decodes (the codes).
-    engine = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", enforce_eager=eager, max_model_len=256,
-                                    max_num_batched_tokens=32))
+def _generate(engine: LLMEngine, tag: str) -> dict:
     for i, prompt in enumerate(PROMPTS):
-        engine.add_request(str(i), prompt, GREEDY)
+        engine.add_request(f"{tag}{i}", prompt, GREEDY)
     out = {}
     while engine.has_unfinished_requests():
         for o in engine.step():
             if o.finished:
-                out[o.request_id] = (o.outputs[0].token_ids, o.outputs[0].logprobs)
-    return out, engine
+                out[o.request_id.removeprefix(tag)] = (o.outputs[0].token_ids, o.outputs[0].logprobs)
+    return out
 
 
-def _coded(engine: LLMEngine) -> int:
-    return sum(m.codes is not None for m in engine.runner.model.modules() if isinstance(m, InvariantLinear))
+def _coded(model) -> list[InvariantLinear]:
+    return [m for m in model.modules() if isinstance(m, InvariantLinear) and m.codes is not None]
 
 
 @needs_amx
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_0])
 @pytest.mark.parametrize("eager", [False, True])
-def test_engine_with_codes_equals_engine_without(tiny_model_factory, tmp_path, monkeypatch, caplog, qtype, eager):
+def test_engine_with_codes_equals_engine_without(tiny_model_factory, tmp_path, caplog, qtype, eager):
+    """One engine, the same requests with the codes and then without them (the same engine, so
+    nothing but the linears' weights source differs; prefix caching off, so both compute every
+    token). A small token budget puts prefill chunks (bf16 weights above 32 rows) next to decodes."""
+    from tessera.model.native_stack import NativeStack
+
     path = write_gguf_from_hf_dir(tiny_model_factory(), tmp_path / "t.gguf", qtype=qtype)
-    monkeypatch.setenv("TESSERA_GGUF_CODES", "0")
-    want, engine = _generate(path, eager)
-    assert _coded(engine) == 0
-    monkeypatch.delenv("TESSERA_GGUF_CODES")
     with caplog.at_level(logging.INFO, logger="tessera"):
-        got, engine = _generate(path, eager)
-    layers = engine.runner.model.config.num_layers
-    assert _coded(engine) == 4 * layers  # qkv, o, gate_up, down; the lm_head keeps its bf16 weight
+        engine = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", enforce_eager=eager, max_model_len=256,
+                                        max_num_batched_tokens=32, enable_prefix_caching=False))
     assert "from the GGUF blocks" in caplog.text
-    assert (engine.runner.model.native_stack is None) == eager
-    assert got == want
+    model = engine.runner.model
+    coded = _coded(model)
+    assert len(coded) == 4 * model.config.num_layers  # qkv, o, gate_up, down; the lm_head keeps its bf16 weight
+    assert (model.native_stack is None) == eager
+    got = _generate(engine, "a")
+    for m in coded:
+        m.codes = None
+    if not eager:
+        model.native_stack = NativeStack.build(model)  # its linears now kind 0 (bf16) again
+    assert not _coded(model)
+    assert _generate(engine, "b") == got
+
+
+def test_no_codes_without_amx_or_when_turned_off(tiny_model_factory, tmp_path, monkeypatch):
+    path = write_gguf_from_hf_dir(tiny_model_factory(), tmp_path / "t.gguf", qtype=Q.Q4_1)
+    monkeypatch.setenv("TESSERA_GGUF_CODES", "0")
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", max_model_len=256))
+    assert not _coded(engine.runner.model)
