@@ -63,13 +63,12 @@ def bf16_codes_saving(path: str) -> int:
     engine reads bf16 (another file type, no AMX), so its floor is the bytes it reads."""
     from gguf import GGUFReader
 
-    from tessera.kernels import cpu_flags
-    from tessera.quant.gguf_codes import TYPES
+    from tessera.quant import gguf_codes
 
-    if os.environ.get("TESSERA_GGUF_CODES", "1") == "0" or "amx_bf16" not in cpu_flags() or not str(path).endswith(".gguf"):
+    if not str(path).endswith(".gguf") or not gguf_codes.enabled():
         return 0
     return sum(int(t.n_elements) * 2 - int(t.n_bytes) for t in GGUFReader(path).tensors
-               if t.name.startswith("blk.") and t.tensor_type in TYPES)
+               if t.name.startswith("blk.") and t.tensor_type in gguf_codes.TYPES)
 
 
 def _step(cfg: ModelConfig, tokens: int, contexts: list[tuple[int, int]], logit_rows: int, elem: int,

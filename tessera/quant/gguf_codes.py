@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 
-import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
@@ -38,15 +37,10 @@ TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)
 
 
 def enabled() -> bool:
+    """Whether a bf16 engine here reads the blocks: AMX, the quantized kernels built, not turned off."""
     from tessera.quant import invariant
 
     return os.environ.get("TESSERA_GGUF_CODES", "1") != "0" and invariant.available() and invariant.cpu_has_amx()
-
-
-def _raw_rows(tensor) -> torch.Tensor:
-    """A GGUF tensor's block bytes as uint8 [rows, bytes per row]."""
-    rows = int(np.prod(tensor.shape[1:]))  # GGUF lists dims innermost first
-    return torch.from_numpy(np.ascontiguousarray(tensor.data).view(np.uint8).reshape(rows, -1).copy())
 
 
 @torch.no_grad()
@@ -55,6 +49,7 @@ def attach_gguf_codes(model, files) -> int:
     its blocks in tile order; returns how many. Not a GGUF file, or not enabled here: 0."""
     from tessera.kernels.linear import InvariantLinear
     from tessera.model.gguf_loader import GGUFModelFiles
+    from tessera.quant.gguf_native import raw_rows
     from tessera.quant.gguf_tiles import KIND, KQTiles
 
     if not isinstance(files, GGUFModelFiles) or not enabled():
@@ -70,7 +65,7 @@ def attach_gguf_codes(model, files) -> int:
             continue
         raw = []
         for name, t in zip(slot.parts, tensors, strict=True):
-            rows = _raw_rows(t)  # a row's blocks are its own, so the loader's row order applies to them
+            rows = raw_rows(t)  # a row's blocks are its own, so the loader's row order applies to them
             raw.append(transform(rows) if (transform := files.row_transform(name)) is not None else rows)
         found.append((w, KQTiles.pack(torch.cat(raw), qtype), KIND[qtype]))
     # One huge-page buffer in call order, as the bf16 weights' (tessera.memory.Arena): a decode

@@ -143,13 +143,18 @@ class Q8_0Linear(QuantLinear):
         return tiled_matmul(x, self.out_features, tile_rows_for(self.in_features), self._fill)
 
 
+def raw_rows(tensor) -> torch.Tensor:
+    """A GGUF tensor's block bytes as uint8 [rows, bytes per row] (a copy: the file is read-only)."""
+    rows = int(np.prod(tensor.shape[1:]))  # GGUF lists dims innermost first
+    return torch.from_numpy(np.ascontiguousarray(tensor.data).view(np.uint8).reshape(rows, -1).copy())
+
+
 def _decode(tensor) -> tuple | None:
     """A GGUF tensor as ("int4", codes, scale, zero), ("q8_0", codes, d) or (type name, raw block
     bytes uint8 [rows, bytes per row]); None if not native."""
     rows = int(np.prod(tensor.shape[1:]))  # GGUF lists dims innermost first
     if tensor.tensor_type in KQUANT_TYPES:
-        raw = np.ascontiguousarray(tensor.data).view(np.uint8).reshape(rows, -1)
-        return (tensor.tensor_type.name, torch.from_numpy(raw.copy()))
+        return (tensor.tensor_type.name, raw_rows(tensor))
     if tensor.tensor_type == Q.Q4_0:
         codes, d = decode_q4_0(tensor.data, rows)
         return ("int4", codes, d, torch.zeros_like(d))

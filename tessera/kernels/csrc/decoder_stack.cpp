@@ -42,8 +42,15 @@ c10::TypedOperatorHandle<Fn> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
 }
 
-// The quantized kernels live in another library (tessera_qgemm), loaded only in quantized
-// modes: look them up at their first use.
+// The quantized kernels live in another library (tessera_qgemm), loaded only where a linear uses
+// them: look them up at their first use.
+at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& planes, const at::Tensor& sup,
+                     const OptTensor& sub, int64_t fmt, int64_t n) {
+  static const auto kqgemm = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                           const OptTensor&, int64_t, int64_t, int64_t)>("tessera_qgemm::kqgemm");
+  return kqgemm.call(x, codes, planes, sup, sub, fmt, n, x.size(1));
+}
+
 at::Tensor quant_linear(const at::Tensor& x, const c10::List<OptTensor>& t, int64_t i, int64_t kind, int64_t fmt,
                         int64_t n) {
   const auto get = [&](int64_t j) { return t.get(i + j); };
@@ -53,9 +60,7 @@ at::Tensor quant_linear(const at::Tensor& x, const c10::List<OptTensor>& t, int6
     return qgemm.call(x, *get(0), *get(1), get(2), fmt, n, x.size(1));
   }
   TORCH_CHECK(kind == 3, "decoder_stack: unknown linear kind ", kind);
-  static const auto kqgemm = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                           const OptTensor&, int64_t, int64_t, int64_t)>("tessera_qgemm::kqgemm");
-  return kqgemm.call(x, *get(0), *get(1), *get(2), get(3), fmt, n, x.size(1));
+  return kq_linear(x, *get(0), *get(1), *get(2), get(3), fmt, n);
 }
 
 at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c10::List<OptTensor>& lin_tensors,
@@ -98,10 +103,8 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
     if (kind == 1) return f32.call(x, *lin_tensors.get(4 * li), bias, n);
     if (kind == 4) {
       if (bias.has_value() || x.size(0) > kCodesMaxRows) return bf16_linear.call(x, *lin_tensors.get(4 * li), bias, n, false, -1);
-      static const auto kqgemm = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                               const OptTensor&, int64_t, int64_t, int64_t)>("tessera_qgemm::kqgemm");
-      return kqgemm.call(x, *lin_tensors.get(4 * li + 1), *lin_tensors.get(4 * li + 2), *lin_tensors.get(4 * li + 3),
-                         OptTensor(), fmt, n, x.size(1));
+      return kq_linear(x, *lin_tensors.get(4 * li + 1), *lin_tensors.get(4 * li + 2), *lin_tensors.get(4 * li + 3),
+                       OptTensor(), fmt, n);
     }
     at::Tensor y = quant_linear(x, lin_tensors, 4 * li, kind, fmt, n);
     return bias.has_value() ? y + *bias : y;
