@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -172,9 +173,20 @@ class RotaryEmbedding(nn.Module):
         self._grow(max_position_embeddings)
 
     def _grow(self, num_positions: int) -> None:
-        t = torch.arange(num_positions, dtype=torch.float32, device=self.inv_freq.device)
-        freqs = torch.outer(t, self.inv_freq)  # same values as HF's inv_freq @ positions in fp32
-        self._cos, self._sin = freqs.cos(), freqs.sin()
+        device = self.inv_freq.device
+        if device.type == "meta":  # a model laid out before its weights load: shapes only
+            self._cos = self._sin = torch.empty(num_positions, self.head_dim // 2, device=device)
+            return
+        t = torch.arange(num_positions, dtype=torch.float32)
+        freqs = torch.outer(t, self.inv_freq.cpu())  # same angles as HF's inv_freq @ positions in fp32
+        # cos and sin of those angles in float64 (numpy, one thread), rounded once: the correctly
+        # rounded table, the same in every process. torch's float32 cos is not: in about one engine
+        # in 30 built in a pytest process after other kernel tests, half of the table's cos entries
+        # differed from every other engine's (docs/kernels.md, "Session 28"), and so did its logprobs.
+        angles = freqs.double().numpy()
+        cos = torch.from_numpy(np.cos(angles)).float().to(device)
+        sin = torch.from_numpy(np.sin(angles)).float().to(device)
+        self._cos, self._sin = cos, sin
         if self.attention_scaling != 1.0:  # yarn scales cos and sin, as transformers does
             self._cos, self._sin = self._cos * self.attention_scaling, self._sin * self.attention_scaling
 
