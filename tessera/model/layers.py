@@ -181,7 +181,7 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, self.inv_freq.cpu())  # same angles as HF's inv_freq @ positions in fp32
         # cos and sin of those angles in float64 (numpy, one thread), rounded once: the correctly
         # rounded table, the same in every process. torch's float32 cos is not: in about one engine
-        # in 30 built in a pytest process after other kernel tests, half of the table's cos entries
+        # in 40 built in a pytest process after other kernel tests, half of the table's cos entries
         # differed from every other engine's (docs/kernels.md, "Session 28"), and so did its logprobs.
         angles = freqs.double().numpy()
         cos = torch.from_numpy(np.cos(angles)).float().to(device)
