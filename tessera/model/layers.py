@@ -186,9 +186,9 @@ class RotaryEmbedding(nn.Module):
         angles = freqs.double().numpy()
         cos = torch.from_numpy(np.cos(angles)).float().to(device)
         sin = torch.from_numpy(np.sin(angles)).float().to(device)
-        self._cos, self._sin = cos, sin
         if self.attention_scaling != 1.0:  # yarn scales cos and sin, as transformers does
-            self._cos, self._sin = self._cos * self.attention_scaling, self._sin * self.attention_scaling
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        self._cos, self._sin = cos, sin
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of each token's position: [T, 1, head_dim // 2] in `dtype`."""
