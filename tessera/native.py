@@ -1,6 +1,7 @@
 """Build-once C++ extensions: compile at first use with torch's cpp_extension, cache, fall back.
 
-`load_extension(name, sources)` compiles the sources (with -O3 -march=native) into a shared
+`load_extension(name, sources)` compiles the .cpp sources (with -O3 -march=native; .h sources are
+staged beside them for their `#include "..."` and count in the cache key) into a shared
 library that registers torch ops, caches it under `$TORCH_EXTENSIONS_DIR` (default
 `$TESSERA_CACHE/torch_extensions/<torch version>-<cpu>-<torch install>`, so a different CPU or
 torch rebuilds, and two environments never rebuild over each other's libraries: the build
@@ -144,7 +145,9 @@ def load_extension(name: str, sources: tuple[Path, ...], defines: tuple[str, ...
     try:
         cpp_extension.load(
             name=name,
-            sources=[str(s) for s in stage_sources(sources, directory)],
+            # headers are staged beside the sources (their #include "..." finds them) and hashed
+            # into the build folder's name, but only the .cpp files are compiled
+            sources=[str(s) for s in stage_sources(sources, directory) if s.suffix != ".h"],
             extra_cflags=CFLAGS + [f"-D{d}" for d in defines],
             build_directory=str(directory),
             is_python_module=False,

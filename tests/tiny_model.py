@@ -155,10 +155,11 @@ def gguf_tensor_name(hf_name: str) -> str:
 
 
 def write_gguf_from_hf_dir(model_dir: Path, path: Path, qtype=None, extra_tensors: dict | None = None,
-                           architecture: str | None = None) -> Path:
+                           architecture: str | None = None, qtypes: dict | None = None) -> Path:
     """Convert a (tiny) HF folder to a GGUF file: metadata, tokenizer, and tensors, 2-D weights in
     `qtype` (a gguf.GGMLQuantizationType, default F32; norms and biases stay F32, as llama.cpp
-    keeps them). llama-architecture q/k rows are permuted as llama.cpp does; qwen2 ones are not.
+    keeps them), or in qtypes[HF name] where given (the default model's file: layers Q4_1, the
+    embedding Q8_0). llama-architecture q/k rows are permuted as llama.cpp does; qwen2 ones are not.
     """
     import gguf
     import numpy as np
@@ -211,8 +212,9 @@ def write_gguf_from_hf_dir(model_dir: Path, path: Path, qtype=None, extra_tensor
             t = llama_cpp_permute(t, n_head)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             t = llama_cpp_permute(t, n_kv)
-        if t.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(gguf_tensor_name(name), gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+        kind = (qtypes or {}).get(name, qtype)
+        if t.ndim == 2 and kind != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(gguf_tensor_name(name), gguf.quants.quantize(t, kind), raw_dtype=kind)
         else:
             w.add_tensor(gguf_tensor_name(name), t)
     for name, t in (extra_tensors or {}).items():

@@ -17,7 +17,8 @@ import torch
 from tessera.native import load_extension
 
 _SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in (
-    "invariant_kernels.cpp", "paged_attention.cpp", "fused_ops.cpp", "decoder_stack.cpp", "sampling.cpp"))
+    "invariant_kernels.cpp", "paged_attention.cpp", "fused_ops.cpp", "decoder_stack.cpp", "sampling.cpp",
+    "argmax_rows.h"))
 
 
 @functools.cache

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from tessera import kernels, memory
+from tessera.quant import invariant
+from tessera.quant.gguf_codes import CODES_MAX_ROWS
 
 logger = logging.getLogger("tessera")
 
@@ -77,8 +79,11 @@ class InvariantLinear(nn.Module):
         if out is None:
             out = memory.zeros(packed_shape(weight), weight.dtype, huge=True)
         self.register_buffer("packed", _pack(weight.detach(), out), persistent=False)
-        self.codes = None  # GGUF blocks of the same W for decode sizes (tessera/quant/gguf_codes.py)
+        # GGUF blocks of the same W for decode sizes (tessera/quant/gguf_codes.py): KQ tiles (the
+        # layers' Q4/Q5 blocks) or Q8_0 tiles (a tied lm_head), at most one of the two
+        self.codes = None
         self.codes_kind = -1
+        self.q8_codes: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def attach_codes(self, tiles, kind: int) -> None:
         """tiles: a gguf_tiles.KQTiles whose W, rounded to bf16, is this layer's weight; calls of
@@ -87,14 +92,26 @@ class InvariantLinear(nn.Module):
             raise ValueError("GGUF codes serve bf16 weights of the KQ kinds without sub-block scales")
         self.codes, self.codes_kind = tiles, kind
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.codes is not None and bias is None and x.dim() == 2:
-            from tessera.quant.gguf_codes import CODES_MAX_ROWS
+    def attach_q8_0(self, tiles: torch.Tensor, d: torch.Tensor) -> None:
+        """A GGUF Q8_0 weight in the quantized kernel's tile order (quant.invariant.pack_tiles of
+        the codes, pack_blocks of the float16 d) whose W = bf16(d q) is this layer's weight: calls
+        of up to gguf_codes.CODES_MAX_ROWS rows read 1.06 bytes a weight instead of 2, same bits.
+        The tied lm_head of a GGUF file (the default model's: 28.7 MiB instead of 54)."""
+        if self.dtype != torch.bfloat16:
+            raise ValueError("GGUF codes serve bf16 weights")
+        self.q8_codes = (tiles, d)
 
-            if x.shape[0] <= CODES_MAX_ROWS:
-                c = self.codes
-                return torch.ops.tessera_qgemm.kqgemm(x.contiguous(), c.codes, c.planes, c.sup, None,
-                                                      self.codes_kind, self.out_features, self.in_features)
+    def _from_codes(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+        return ((self.codes is not None or self.q8_codes is not None) and bias is None and x.dim() == 2
+                and x.shape[0] <= CODES_MAX_ROWS)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self._from_codes(x, bias):
+            if self.q8_codes is not None:
+                return invariant.qgemm(x, *self.q8_codes, None, invariant.Q8_0, self.out_features)
+            c = self.codes
+            return torch.ops.tessera_qgemm.kqgemm(x.contiguous(), c.codes, c.planes, c.sup, None,
+                                                  self.codes_kind, self.out_features, self.in_features)
         ops = kernels.ops()
         if self.dtype == torch.bfloat16:
             return ops.linear_bf16(x, self.packed, bias, self.out_features, False, BF16_ARITHMETIC)
@@ -102,6 +119,8 @@ class InvariantLinear(nn.Module):
 
     def forward_float(self, x: torch.Tensor) -> torch.Tensor:
         """forward(x).float() in one pass (the logits): bf16 values rounded as forward rounds them."""
+        if self.q8_codes is not None and self._from_codes(x):
+            return invariant.qgemm_logits(x, *self.q8_codes, None, invariant.Q8_0, self.out_features, False)[0]
         if self.dtype == torch.bfloat16:
             return kernels.ops().linear_bf16(x, self.packed, None, self.out_features, True, BF16_ARITHMETIC)
         return self.forward(x)
@@ -110,6 +129,8 @@ class InvariantLinear(nn.Module):
         """(forward_float(x), each row's first maximum of it, or None where no kernel finds it:
         float32 weights). The bf16 kernel finds it in its store epilogue, so greedy sampling
         need not read the logits again."""
+        if self.q8_codes is not None and self._from_codes(x):
+            return invariant.qgemm_logits(x, *self.q8_codes, None, invariant.Q8_0, self.out_features, True)
         if self.dtype == torch.bfloat16:
             return kernels.ops().linear_bf16_argmax(x, self.packed, None, self.out_features, BF16_ARITHMETIC)
         return self.forward(x), None

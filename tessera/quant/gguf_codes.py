@@ -15,6 +15,10 @@ Where: AMX CPUs (both kernels on the tile unit; the AVX-512 BF16 fallbacks order
 differently), bf16 weights, slots whose parts are all one of Q4_0, Q4_1, Q5_0, Q5_1 (the KQ kinds
 without sub-block scales), calls without a bias (a bias is added before the bf16 kernel's rounding
 and after kqgemm's). `TESSERA_GGUF_CODES=0` turns it off, for A/B runs (docs/kernels.md, session 27).
+
+A Q8_0 lm_head (the default model's tied token_embd) reads its blocks the same way (qgemm's Q8_0
+tiles, W = bf16(d q) the bf16 weight exactly): 28.7 MiB a step instead of 54, with the logits in
+fp32 and greedy ids from the store epilogue as the bf16 kernel gives them (qgemm_logits; session 29).
 """
 
 from __future__ import annotations
@@ -49,34 +53,45 @@ def attach_gguf_codes(model, files) -> int:
     its blocks in tile order; returns how many. Not a GGUF file, or not enabled here: 0."""
     from tessera.kernels.linear import InvariantLinear
     from tessera.model.gguf_loader import GGUFModelFiles
-    from tessera.quant.gguf_native import raw_rows
+    from tessera.quant import invariant
+    from tessera.quant.gguf_native import decode_q8_0, raw_rows
     from tessera.quant.gguf_tiles import KIND, KQTiles
 
     if not isinstance(files, GGUFModelFiles) or not enabled():
         return 0
-    found = []
-    for slot in model.linear_slots():
+    found, lm_head = [], None
+    for slot in model.linear_slots(quantize_lm_head=True):
         w = getattr(slot.owner, slot.attr)
         if type(w) is not InvariantLinear or w.dtype != torch.bfloat16 or not slot.parts:
             continue
         tensors = [files.source_tensor(n) for n in slot.parts]
         qtypes = {t.tensor_type for t in tensors}
-        if len(qtypes) != 1 or (qtype := qtypes.pop()) not in TYPES:
+        if len(qtypes) != 1:
             continue
+        qtype = qtypes.pop()
         raw = []
         for name, t in zip(slot.parts, tensors, strict=True):
             rows = raw_rows(t)  # a row's blocks are its own, so the loader's row order applies to them
             raw.append(transform(rows) if (transform := files.row_transform(name)) is not None else rows)
-        found.append((w, KQTiles.pack(torch.cat(raw), qtype), KIND[qtype]))
+        if slot.attr == "lm_head" and qtype == Q.Q8_0:  # not in the decoder stack: called on its own
+            codes, d = decode_q8_0(torch.cat(raw).numpy(), w.out_features)
+            lm_head = (w, invariant.pack_tiles(codes), invariant.pack_blocks(d.to(torch.float16)))
+        elif slot.attr != "lm_head" and qtype in TYPES:
+            found.append((w, KQTiles.pack(torch.cat(raw), qtype), KIND[qtype]))
     # One huge-page buffer in call order, as the bf16 weights' (tessera.memory.Arena): a decode
     # streams it from layer to layer. Separate allocations ran the 120 linears no faster than bf16.
-    parts = [t for _, tiles, _ in found for t in (tiles.codes, tiles.sup)]
+    parts = [t for _, tiles, _ in found for t in (tiles.codes, tiles.sup)] + list(lm_head[1:] if lm_head else [])
     arena = memory.Arena([(t.shape, t.dtype) for t in parts], huge=True)
     for w, tiles, kind in found:
         tiles.codes = arena.take(tiles.codes.shape, tiles.codes.dtype).copy_(tiles.codes)
         tiles.sup = arena.take(tiles.sup.shape, tiles.sup.dtype).copy_(tiles.sup)
         w.attach_codes(tiles, kind)
-    count, nbytes = len(found), sum(tiles.nbytes() for _, tiles, _ in found)
+    nbytes = sum(tiles.nbytes() for _, tiles, _ in found)
+    if lm_head:
+        w, tiles, d = lm_head
+        w.attach_q8_0(*(arena.take(t.shape, t.dtype).copy_(t) for t in (tiles, d)))
+        nbytes += tiles.numel() * tiles.element_size() + d.numel() * d.element_size()
+    count = len(found) + (lm_head is not None)
     if count:
         logger.info("decode steps read %d linear weights from the GGUF blocks (%.1f MiB; the bf16 copies "
                     "serve prefill chunks, same bits either way)", count, nbytes / 2**20)

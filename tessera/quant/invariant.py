@@ -26,7 +26,9 @@ import torch
 from tessera.native import load_extension
 
 INT8, Q8_0, INT4, BF16 = 0, 1, 2, 3
-_SOURCES = (Path(__file__).parent / "csrc" / "invariant_qgemm.cpp",)
+# argmax_rows.h: the greedy argmax of the store epilogue, shared with the bf16 kernels' library
+_SOURCES = (Path(__file__).parent / "csrc" / "invariant_qgemm.cpp",
+            Path(__file__).parents[1] / "kernels" / "csrc" / "argmax_rows.h")
 
 
 def cpu_has_amx() -> bool:
@@ -65,6 +67,9 @@ def set_arithmetic(arithmetic: int) -> None:
 def _register_fakes() -> None:
     torch.library.register_fake("tessera_qgemm::qgemm")(
         lambda x, codes, scale, zero, fmt, n, k: x.new_empty(x.shape[0], n))
+    torch.library.register_fake("tessera_qgemm::qgemm_logits")(
+        lambda x, codes, scale, zero, fmt, n, k, argmax: (x.new_empty(x.shape[0], n, dtype=torch.float32),
+                                                          x.new_empty(x.shape[0] if argmax else 0, dtype=torch.long)))
     torch.library.register_fake("tessera_qgemm::w8a8")(
         lambda qx, codes, n: qx.new_empty(qx.shape[0], n, dtype=torch.int32))
 
@@ -155,6 +160,14 @@ def qgemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch
         x = x.float()
     y = torch.ops.tessera_qgemm.qgemm(x.contiguous(), codes, scale, zero, fmt, n, x.shape[1])
     return y if y.dtype == dtype else y.to(dtype)
+
+
+def qgemm_logits(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, fmt: int,
+                 n: int, argmax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """bf16 x [M, K] @ W.T as float32 logits holding the bf16-rounded values (qgemm(x, ...).float()
+    in one pass), and with argmax each row's first maximum of them (else None). AMX only."""
+    logits, ids = torch.ops.tessera_qgemm.qgemm_logits(x.contiguous(), codes, scale, zero, fmt, n, x.shape[1], argmax)
+    return logits, ids if argmax else None
 
 
 def w8a8_sums(qx: torch.Tensor, codes: torch.Tensor, n: int) -> torch.Tensor:

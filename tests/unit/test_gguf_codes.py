@@ -98,30 +98,40 @@ def _generate(engine: LLMEngine, tag: str) -> dict:
 
 
 def _coded(model) -> list[InvariantLinear]:
-    return [m for m in model.modules() if isinstance(m, InvariantLinear) and m.codes is not None]
+    return [m for m in model.modules()
+            if isinstance(m, InvariantLinear) and (m.codes is not None or m.q8_codes is not None)]
 
 
 @needs_amx
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_0])
 @pytest.mark.parametrize("eager", [False, True])
-def test_engine_with_codes_equals_engine_without(tiny_model_factory, tmp_path, caplog, qtype, eager):
+@pytest.mark.parametrize("lm_head", [None, "tied", "own"], ids=["lm_head-q4", "tied-q8_0", "own-q8_0"])
+def test_engine_with_codes_equals_engine_without(tiny_model_factory, tmp_path, caplog, qtype, eager, lm_head):
     """One engine, the same requests with the codes and then without them (the same engine, so
     nothing but the linears' weights source differs; prefix caching off, so both compute every
-    token). A small token budget puts prefill chunks (bf16 weights above 32 rows) next to decodes."""
+    token). A small token budget puts prefill chunks (bf16 weights above 32 rows) next to decodes.
+    With a Q8_0 lm_head, tied to the embedding (the default model's file) or its own, it reads its
+    blocks too, and greedy ids come from its store epilogue (a vocabulary of 267: padded tiles)."""
     from tessera.model.native_stack import NativeStack
 
-    path = write_gguf_from_hf_dir(tiny_model_factory(), tmp_path / "t.gguf", qtype=qtype)
+    model_dir = tiny_model_factory(tie_word_embeddings=lm_head == "tied")
+    source = "model.embed_tokens.weight" if lm_head == "tied" else "lm_head.weight"
+    path = write_gguf_from_hf_dir(model_dir, tmp_path / "t.gguf", qtype=qtype,
+                                  qtypes={source: Q.Q8_0} if lm_head else None)
     with caplog.at_level(logging.INFO, logger="tessera"):
         engine = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", enforce_eager=eager, max_model_len=256,
                                         max_num_batched_tokens=32, enable_prefix_caching=False))
     assert "from the GGUF blocks" in caplog.text
     model = engine.runner.model
+    assert model.config.tie_word_embeddings == (lm_head == "tied")
     coded = _coded(model)
-    assert len(coded) == 4 * model.config.num_layers  # qkv, o, gate_up, down; the lm_head keeps its bf16 weight
+    # qkv, o, gate_up, down; the lm_head only from Q8_0 blocks (a Q4 one keeps its bf16 weight)
+    assert len(coded) == 4 * model.config.num_layers + (lm_head is not None)
+    assert (model.lm_head.q8_codes is not None) == (lm_head is not None)
     assert (model.native_stack is None) == eager
     got = _generate(engine, "a")
     for m in coded:
-        m.codes = None
+        m.codes = m.q8_codes = None
     if not eager:
         model.native_stack = NativeStack.build(model)  # its linears now kind 0 (bf16) again
     assert not _coded(model)

@@ -32,6 +32,8 @@
 #include <mutex>
 #include <vector>
 
+#include "argmax_rows.h"
+
 namespace {
 
 constexpr int kArchReqXcompPerm = 0x1023;
@@ -42,64 +44,6 @@ bool amx_permitted() {
   static const bool ok = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   return ok;
 }
-
-// Each row's first maximum over the values a call stores. A parallel chunk (a contiguous run of
-// tasks, columns in increasing order for each row it touches) keeps, per row and per lane of 16,
-// the largest value seen and the column it was first seen at (a strict > keeps the first); at its
-// end a row's lanes reduce to (max, smallest column holding it), which is the chunk's first
-// maximum. Chunks then merge per row in task order, again with a strict >. The result is
-// torch.argmax's over the stored values, except that NaN never wins (argmax returns a NaN's index).
-struct ArgmaxChunk {
-  std::vector<float> value;
-  std::vector<int32_t> index;
-  std::vector<uint8_t> seen;
-  explicit ArgmaxChunk(int64_t m)
-      : value(m * 16, -std::numeric_limits<float>::infinity()), index(m * 16, 0), seen(m, 0) {}
-};
-
-struct ArgmaxPartial {
-  int64_t begin, row;
-  float value;
-  int32_t index;
-};
-
-class ArgmaxCollector {
- public:
-  explicit ArgmaxCollector(int64_t m) : m_(m) {}
-  int64_t rows() const { return m_; }
-
-  void add(int64_t begin, const ArgmaxChunk& chunk) {
-    std::vector<ArgmaxPartial> mine;
-    for (int64_t r = 0; r < m_; ++r) {
-      if (!chunk.seen[r]) continue;
-      float best = chunk.value[r * 16];
-      int32_t at = chunk.index[r * 16];
-      for (int l = 1; l < 16; ++l) {
-        const float v = chunk.value[r * 16 + l];
-        const int32_t i = chunk.index[r * 16 + l];
-        if (v > best || (v == best && i < at)) best = v, at = i;
-      }
-      mine.push_back({begin, r, best, at});
-    }
-    std::lock_guard<std::mutex> lock(mu_);
-    parts_.insert(parts_.end(), mine.begin(), mine.end());
-  }
-
-  void finish(int64_t* out) {
-    std::sort(parts_.begin(), parts_.end(), [](const ArgmaxPartial& a, const ArgmaxPartial& b) {
-      return a.row != b.row ? a.row < b.row : a.begin < b.begin;
-    });
-    std::vector<float> best(m_, -std::numeric_limits<float>::infinity());
-    std::fill(out, out + m_, 0);
-    for (const auto& p : parts_)
-      if (p.value > best[p.row]) best[p.row] = p.value, out[p.row] = p.index;
-  }
-
- private:
-  int64_t m_;
-  std::mutex mu_;
-  std::vector<ArgmaxPartial> parts_;
-};
 
 // AVX-512 BF16 code generation whatever -march=native says (the library also builds on Zen 3);
 // linear_bf16 takes this path only where the CPU has AVX-512 BF16. The AMX section below calls
@@ -115,30 +59,6 @@ inline void store_row_bf16(
   if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias));
   __m256bh h = _mm512_cvtneps_pbh(v);
   _mm256_mask_storeu_epi16(reinterpret_cast<void*>(out), mask, reinterpret_cast<__m256i&>(h));
-}
-
-// The same row rounded to bf16, then widened to fp32: exactly the bf16 output's .float(), without
-// a second pass over [M, N] (the logits: 32 x 49152 at a decode step).
-// With `chunk`, the stored values also update row `row`'s running first maximum (ArgmaxChunk);
-// `col` is the first of the n columns.
-inline void store_row_bf16_as_f32(const float* c, const float* bias, float* out, int n,
-                                  ArgmaxChunk* chunk = nullptr, int64_t row = 0, int64_t col = 0) {
-  __mmask16 mask = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
-  __m512 v = _mm512_loadu_ps(c);
-  if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias));
-  const __m256bh h = _mm512_cvtneps_pbh(v);
-  const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(h)), 16));
-  _mm512_mask_storeu_ps(out, mask, w);
-  if (!chunk) return;
-  chunk->seen[row] = 1;
-  float* best = chunk->value.data() + row * 16;
-  const __m512 cur = _mm512_loadu_ps(best);
-  const __mmask16 gt = _mm512_mask_cmp_ps_mask(mask, w, cur, _CMP_GT_OQ);  // NaN: never greater
-  if (!gt) return;
-  _mm512_storeu_ps(best, _mm512_mask_blend_ps(gt, cur, w));
-  const __m512i cols = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(col)),
-                                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  _mm512_mask_storeu_epi32(chunk->index.data() + row * 16, gt, cols);
 }
 
 // One register tile of the AVX-512 kernel: R rows x C 16-column blocks, every output its own

@@ -49,7 +49,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
+
+#include "argmax_rows.h"
 
 namespace {
 
@@ -356,18 +359,38 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) PairTiles dequant_pair(co
   return t;
 }
 
+// Where the AMX paths put a call's C tiles: [m, n] of x's dtype, or (logits, bf16 x) fp32
+// holding the bf16-rounded values, each row's first maximum kept in chunk when it is set.
+struct Out {
+  void* ptr;
+  at::ScalarType dtype;
+  bool logits;
+  ArgmaxChunk* chunk;
+};
+
 // One stored C tile (16 rows from m0 x column block nb, fp32) into out, the INT8 format's
 // per-column scale applied; rows past m and columns past n are left alone.
-__attribute__((target("avx512f,avx512bf16"))) inline void store_c_tile(const float* c, const Weight& w, int64_t nb,
-                                                                         int64_t m0, int64_t m, void* out,
-                                                                         at::ScalarType dtype) {
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void store_c_tile(
+    const float* c, const Weight& w, int64_t nb, int64_t m0, int64_t m, const Out& out) {
   const int64_t col0 = nb * 16;
   if (col0 >= w.n) return;
   const int cols = static_cast<int>(std::min<int64_t>(16, w.n - col0));
   const float* scale = w.fmt == kInt8 ? static_cast<const float*>(w.scale) + col0 : nullptr;
-  const int esize = dtype == at::kBFloat16 ? 2 : 4;
-  for (int r = 0; r < 16 && m0 + r < m; ++r)
-    store_row(c + r * 16, scale, dtype, static_cast<char*>(out) + ((m0 + r) * w.n + col0) * esize, cols);
+  const int esize = out.dtype == at::kBFloat16 && !out.logits ? 2 : 4;
+  for (int r = 0; r < 16 && m0 + r < m; ++r) {
+    if (!out.logits) {
+      store_row(c + r * 16, scale, out.dtype, static_cast<char*>(out.ptr) + ((m0 + r) * w.n + col0) * esize, cols);
+      continue;
+    }
+    alignas(64) float scaled[16];
+    const float* row = c + r * 16;
+    if (scale) {
+      _mm512_store_ps(scaled, _mm512_mul_ps(_mm512_loadu_ps(row), _mm512_loadu_ps(scale)));
+      row = scaled;
+    }
+    store_row_bf16_as_f32(row, nullptr, static_cast<float*>(out.ptr) + (m0 + r) * w.n + col0, cols, out.chunk,
+                          m0 + r, col0);
+  }
 }
 
 // One pair of column blocks (32 output columns) for every activation row. Per K step, in this
@@ -375,7 +398,7 @@ __attribute__((target("avx512f,avx512bf16"))) inline void store_c_tile(const flo
 // C += A_lo B_hi (A_lo B_lo is below fp32 rounding and skipped).
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void column_pair(
     const Weight& w, int64_t pair, const uint16_t* a_hi, const uint16_t* a_lo, bool w_lo, int64_t m, int64_t mp,
-    uint16_t* bbuf, void* out, at::ScalarType dtype) {
+    uint16_t* bbuf, const Out& out) {
   const int64_t kb = w.kp / 32, nb0 = 2 * pair;
   const int64_t stride = w.kp * 2;  // bytes per A row
   const PairTiles tiles = dequant_pair(w, pair, w_lo, bbuf);
@@ -404,7 +427,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void co
     }
     _tile_stored(0, c[0], 64);
     _tile_stored(1, c[1], 64);
-    for (int q = 0; q < 2; ++q) store_c_tile(c[q], w, nb0 + q, m0, m, out, dtype);
+    for (int q = 0; q < 2; ++q) store_c_tile(c[q], w, nb0 + q, m0, m, out);
   }
 }
 
@@ -515,8 +538,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline)) inline voi
 // products in the same order as column_pair's: the same bits. `tile(nb, ks, dst)` makes a B tile.
 template <typename Tile>
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"), always_inline)) inline void small_pair(
-    const Weight& w, int64_t pair, const uint16_t* a_hi, int64_t m, int64_t mp, void* out, at::ScalarType dtype,
-    const Tile& tile) {
+    const Weight& w, int64_t pair, const uint16_t* a_hi, int64_t m, int64_t mp, const Out& out, const Tile& tile) {
   const int64_t kb = w.kp / 32, nb0 = 2 * pair;
   const int64_t stride = w.kp * 2;  // bytes per A row
   const bool two = mp > 16;
@@ -550,13 +572,13 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"), always_i
     _tile_stored(2, c[2], 64);
     _tile_stored(3, c[3], 64);
   }
-  for (int q = 0; q < (two ? 4 : 2); ++q) store_c_tile(c[q], w, nb0 + q % 2, (q / 2) * 16, m, out, dtype);
+  for (int q = 0; q < (two ? 4 : 2); ++q) store_c_tile(c[q], w, nb0 + q % 2, (q / 2) * 16, m, out);
 }
 
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void column_pair_small(
-    const Weight& w, int64_t pair, const uint16_t* a_hi, int64_t m, int64_t mp, void* out, at::ScalarType dtype) {
+    const Weight& w, int64_t pair, const uint16_t* a_hi, int64_t m, int64_t mp, const Out& out) {
   with_tile_maker(w, [&](const auto& tile) {
-    small_pair(w, pair, a_hi, m, mp, out, dtype, [&](int64_t nb, int64_t ks, uint16_t* d) { tile(nb, ks, d, nullptr); });
+    small_pair(w, pair, a_hi, m, mp, out, [&](int64_t nb, int64_t ks, uint16_t* d) { tile(nb, ks, d, nullptr); });
   });
 }
 
@@ -979,8 +1001,11 @@ void set_arithmetic(int64_t arithmetic) {
   g_arithmetic = arithmetic;
 }
 
-// Every column pair of the weight for every activation row of x (the caller checked w).
-at::Tensor run(const at::Tensor& x, const Weight& w, int64_t nbk) {
+// Every column pair of the weight for every activation row of x (the caller checked w). With
+// logits (bf16 x on AMX only): fp32 out holding the bf16-rounded values, and with argmax each
+// row's first maximum of them (the chunks are runs of column pairs, in order).
+at::Tensor run(const at::Tensor& x, const Weight& w, int64_t nbk, bool logits = false,
+               ArgmaxCollector* argmax = nullptr) {
   const int64_t n = w.n, kp = w.kp, kb = kp / 32, fmt = w.fmt, k = x.size(1), m = x.size(0);
   const int64_t mp = std::max<int64_t>(16, (m + 15) / 16 * 16);
   // The A operands, K padded with zeros, reused across calls (no per-call page faults). The rows
@@ -994,12 +1019,13 @@ at::Tensor run(const at::Tensor& x, const Weight& w, int64_t nbk) {
   uint16_t* a_hi = abuf.data();
   uint16_t* a_lo = split ? a_hi + mp * kp : nullptr;
   pack_a(x, m, k, kp, a_hi, a_lo);
-  auto out = at::empty({m, n}, x.options());
+  auto out = at::empty({m, n}, x.options().dtype(logits ? at::kFloat : x.scalar_type()));
   void* outp = out.data_ptr();
   const at::ScalarType dtype = x.scalar_type();
   // float32 activations also take the weight's remainder where W is not exact in bf16.
   const bool w_lo = split && (fmt == kQ8_0 || fmt == kInt4 || fmt == kKQ || (fmt == kBf16 && w.zero));
   const bool amx = use_amx();
+  TORCH_CHECK(!logits || (amx && !split), "tessera_qgemm: logits from bf16 activations on AMX only");
   if (!amx && fmt == kInt4) {
     int4_avx512(w, nbk, a_hi, a_lo, m, outp, dtype);
     return out;
@@ -1031,20 +1057,24 @@ at::Tensor run(const at::Tensor& x, const Weight& w, int64_t nbk) {
       for (int64_t p = p0; p < p1; ++p) column_pair_avx512(w, p, a_hi, a_lo, w_lo, m, bbuf.data(), outp, dtype);
       return;
     }
+    std::unique_ptr<ArgmaxChunk> chunk(argmax ? new ArgmaxChunk(m) : nullptr);
+    const Out o{outp, dtype, logits, chunk.get()};
     const bool small = mp <= 32 && !a_lo && fmt != kBf16;
     configure_tiles(small ? m : 0);
     if (small)
-      for (int64_t p = p0; p < p1; ++p) column_pair_small(w, p, a_hi, m, mp, outp, dtype);
+      for (int64_t p = p0; p < p1; ++p) column_pair_small(w, p, a_hi, m, mp, o);
     else
-      for (int64_t p = p0; p < p1; ++p) column_pair(w, p, a_hi, a_lo, w_lo, m, mp, bbuf.data(), outp, dtype);
+      for (int64_t p = p0; p < p1; ++p) column_pair(w, p, a_hi, a_lo, w_lo, m, mp, bbuf.data(), o);
     release_tiles();
+    if (chunk) argmax->add(p0, *chunk);
   });
   return out;
 }
 
 
-at::Tensor qgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                 const c10::optional<at::Tensor>& zero, int64_t fmt, int64_t n, int64_t k) {
+// qgemm's weight, its tensors checked against fmt.
+Weight checked_weight(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                      const c10::optional<at::Tensor>& zero, int64_t fmt, int64_t n, int64_t k) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.is_contiguous(), "tessera_qgemm: x must be contiguous [M, ", k, "]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "tessera_qgemm: x bf16 or fp32");
   TORCH_CHECK(codes.dim() >= 2 && codes.is_contiguous(), "tessera_qgemm: codes must be contiguous tiles");
@@ -1072,7 +1102,29 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
       w.zero = zero->data_ptr();
     }
   }
-  return run(x, w, nbk);
+  return w;
+}
+
+at::Tensor qgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                 const c10::optional<at::Tensor>& zero, int64_t fmt, int64_t n, int64_t k) {
+  return run(x, checked_weight(x, codes, scale, zero, fmt, n, k), codes.size(0));
+}
+
+// The logits of an lm_head from its quantized tiles: fp32 [M, n] holding the bf16-rounded values
+// (as linear_bf16(..., f32_out=True) stores them: qgemm's bf16 output, widened), and with argmax
+// each row's first maximum of them, found in the store epilogue (as linear_bf16_argmax); ids is
+// empty without. bf16 x, AMX only: where the bf16 engine reads a GGUF's Q8_0 lm_head.
+std::tuple<at::Tensor, at::Tensor> qgemm_logits(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                                const c10::optional<at::Tensor>& zero, int64_t fmt, int64_t n,
+                                                int64_t k, bool argmax) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tessera_qgemm.qgemm_logits: bf16 x only");
+  const Weight w = checked_weight(x, codes, scale, zero, fmt, n, k);
+  const int64_t m = x.size(0);
+  ArgmaxCollector collector(m);
+  at::Tensor logits = run(x, w, codes.size(0), true, argmax ? &collector : nullptr);
+  at::Tensor ids = at::empty({argmax ? m : 0}, x.options().dtype(at::kLong));
+  if (argmax && m > 0) collector.finish(ids.data_ptr<int64_t>());
+  return {logits, ids};
 }
 
 // GGUF K-quant and Q5 weights (the KQ format above): kind 0 Q5_0, 1 Q5_1, 2 Q4_K / Q5_K, 3 Q6_K.
@@ -1165,6 +1217,8 @@ at::Tensor w8a8(const at::Tensor& qx, const at::Tensor& codes, int64_t n) {
 
 TORCH_LIBRARY(tessera_qgemm, lib) {
   lib.def("qgemm(Tensor x, Tensor codes, Tensor scale, Tensor? zero, int fmt, int n, int k) -> Tensor");
+  lib.def("qgemm_logits(Tensor x, Tensor codes, Tensor scale, Tensor? zero, int fmt, int n, int k, bool argmax) "
+          "-> (Tensor, Tensor)");
   lib.def("w8a8(Tensor qx, Tensor codes, int n) -> Tensor");
   lib.def("kqgemm(Tensor x, Tensor codes, Tensor planes, Tensor sup, Tensor? sub, int kind, int n, int k) -> Tensor");
   lib.def("set_arithmetic(int arithmetic) -> ()", &set_arithmetic);  // no tensor: a catch-all kernel
@@ -1172,6 +1226,7 @@ TORCH_LIBRARY(tessera_qgemm, lib) {
 
 TORCH_LIBRARY_IMPL(tessera_qgemm, CPU, lib) {
   lib.impl("qgemm", &qgemm);
+  lib.impl("qgemm_logits", &qgemm_logits);
   lib.impl("w8a8", &w8a8);
   lib.impl("kqgemm", &kqgemm);
 }

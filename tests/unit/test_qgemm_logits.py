@@ -1,0 +1,99 @@
+"""The quantized kernel's logits (tessera_qgemm.qgemm_logits): fp32 holding exactly the values the
+bf16 output rounds to, and each row's first maximum of them found in the store epilogue; and a
+GGUF Q8_0 lm_head read from its blocks gives the bf16 kernel's logits and ids bit for bit."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from tessera import kernels
+from tessera.kernels.linear import InvariantLinear
+from tessera.quant import invariant
+from tessera.quant.gguf_native import decode_q8_0
+from tessera.quant.int4 import Int4Linear
+from tessera.quant.int8 import Int8Linear
+from tests.unit.test_gguf_kquant import random_blocks
+
+pytestmark = pytest.mark.skipif(
+    not (kernels.available() and invariant.available() and invariant.cpu_has_amx()),
+    reason="the logits kernel runs on AMX tiles")
+
+# 1-32 rows take the decode loop (a second row tile from 17), more the whole-K one.
+ROWS = [1, 2, 15, 16, 17, 31, 32, 33, 50]
+
+
+def _q8_0(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the bf16 weight, Q8_0 tiles, d tiles) of random Q8_0 blocks."""
+    raw = random_blocks(Q.Q8_0, n, k, seed=seed)
+    codes, d = decode_q8_0(raw, n)
+    w = torch.from_numpy(gguf.quants.dequantize(raw, Q.Q8_0)).bfloat16()
+    return w, invariant.pack_tiles(codes), invariant.pack_blocks(d.to(torch.float16))
+
+
+@pytest.mark.parametrize("m", ROWS)
+def test_q8_0_logits_and_ids_are_the_bf16_kernels(m):
+    n, k = 4128, 128  # n a multiple of 32 (the tiles' pairs), not of the 64 a chunk of work may hold
+    w, tiles, d = _q8_0(n, k, seed=m)
+    plain, coded = InvariantLinear(w), InvariantLinear(w)
+    coded.attach_q8_0(tiles, d)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+    logits, ids = coded.forward_float_argmax(x)
+    want_logits, want_ids = plain.forward_float_argmax(x)
+    assert torch.equal(logits, want_logits) and torch.equal(ids, want_ids)
+    assert torch.equal(ids, logits.argmax(-1))  # the first maximum, as torch finds it
+    assert torch.equal(coded.forward_float(x), want_logits)
+    assert torch.equal(coded(x), plain(x))
+
+
+def test_the_codes_are_what_small_calls_read():
+    """Another weight's blocks change the logits of calls up to CODES_MAX_ROWS rows and of no larger
+    one: the equality above is not passing because the blocks go unused."""
+    w, _, _ = _q8_0(64, 64, seed=1)
+    _, tiles, d = _q8_0(64, 64, seed=2)
+    lin = InvariantLinear(w)
+    small, large = torch.randn(32, 64).bfloat16(), torch.randn(33, 64).bfloat16()
+    before = lin.forward_float(small), lin.forward_float(large)
+    lin.attach_q8_0(tiles, d)
+    assert not torch.equal(lin.forward_float(small), before[0])
+    assert torch.equal(lin.forward_float(large), before[1])
+
+
+@pytest.mark.parametrize("m", [5, 40])
+def test_ties_go_to_the_first_column(m):
+    # The same 96 rows of blocks three times: every maximum appears in three column pairs, which
+    # two threads take in different chunks.
+    raw = random_blocks(Q.Q8_0, 96, 64, seed=5)
+    codes, d = decode_q8_0(raw, 96)
+    codes, d = codes.repeat(3, 1), d.repeat(3, 1)
+    x = torch.randn(m, 64, generator=torch.Generator().manual_seed(6)).bfloat16()
+    logits, ids = invariant.qgemm_logits(x, invariant.pack_tiles(codes), invariant.pack_blocks(d.half()), None,
+                                         invariant.Q8_0, 288, True)
+    assert torch.equal(ids, logits.argmax(-1)) and bool((ids < 96).all())
+    zero, ids0 = invariant.qgemm_logits(torch.zeros(m, 64).bfloat16(), invariant.pack_tiles(codes),
+                                        invariant.pack_blocks(d.half()), None, invariant.Q8_0, 288, True)
+    assert bool((zero == 0).all()) and bool((ids0 == 0).all())  # every column ties: the first
+
+
+@pytest.mark.parametrize("layer", ["int8", "int4"])
+@pytest.mark.parametrize("m", ROWS)
+def test_other_formats_logits_widen_their_bf16_output(layer, m):
+    """qgemm_logits of any format: qgemm's bf16 output widened (INT8's per-column scale applied before
+    the rounding, as qgemm applies it), and torch's argmax of that."""
+    w = torch.randn(200, 96, generator=torch.Generator().manual_seed(m)) * 0.05
+    lin = Int8Linear.from_float(w) if layer == "int8" else Int4Linear.from_float(w, 32)
+    codes, scale, zero, fmt = ((lin.tiles, lin.scale, None, invariant.INT8) if layer == "int8"
+                               else (lin.tiles, lin.tile_scale, lin.tile_zero, invariant.INT4))
+    x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m + 1)).bfloat16()
+    want = invariant.qgemm(x, codes, scale, zero, fmt, 200).float()
+    logits, ids = invariant.qgemm_logits(x, codes, scale, zero, fmt, 200, True)
+    assert torch.equal(logits, want) and torch.equal(ids, want.argmax(-1))
+    assert invariant.qgemm_logits(x, codes, scale, zero, fmt, 200, False)[1] is None
+
+
+def test_float32_activations_are_refused():
+    _, tiles, d = _q8_0(64, 64, seed=3)
+    with pytest.raises(RuntimeError, match="bf16 x only"):
+        invariant.qgemm_logits(torch.randn(2, 64), tiles, d, None, invariant.Q8_0, 64, True)
