@@ -93,3 +93,28 @@ def test_a_cold_build_says_it_is_compiling_before_it_starts(tmp_path, monkeypatc
     assert native.load_extension.__wrapped__("probe", sources)
     assert seen == [True, False]
     assert not any("compiling" in r.getMessage() for r in caplog.records)
+
+
+def test_a_header_is_staged_beside_the_sources_and_not_compiled(tmp_path, monkeypatch):
+    """Two libraries share argmax_rows.h: each build stages it next to its .cpp files (their
+    #include "..." finds it there), its content keys the build folder, and only the .cpp files are
+    handed to the compiler."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    a, b = _checkout(tmp_path / "main", '#include "shared.h"\n')
+    header = a.parent / "shared.h"
+    header.write_text("// v1\n")
+    compiled: list[list[str]] = []
+
+    def fake_load(name, sources, build_directory, **_):
+        compiled.append([os.path.basename(s) for s in sources])
+        open(os.path.join(build_directory, f"{name}.so"), "w").close()
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    assert native.load_extension.__wrapped__("probe", (a, b, header))
+    assert compiled == [["a.cpp", "b.cpp"]]
+    built = native.build_dir("probe", (a, b, header))
+    assert (built / "src" / "shared.h").read_text() == "// v1\n"
+    header.write_text("// v2\n")
+    assert native.build_dir("probe", (a, b, header)) != built
