@@ -137,12 +137,12 @@ class CausalLM(nn.Module, ABC):
 
     def compute_logits_argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(compute_logits(hidden), each row's first maximum of those logits where the lm_head's
-        kernel finds it on the way, else None). Not with a logit softcap: tanh can round two
-        different logits to one float and move the first maximum."""
-        from tessera.kernels.linear import InvariantLinear
-
-        if isinstance(self.lm_head, InvariantLinear) and not self.config.final_logit_softcapping:
-            return self.lm_head.forward_float_argmax(hidden)
+        kernel finds it on the way, else None): a bf16 InvariantLinear, or a quantized lm_head
+        (QuantLinear.logits_argmax). Not with a logit softcap: tanh can round two different logits
+        to one float and move the first maximum."""
+        argmax = getattr(self.lm_head, "forward_float_argmax", None)
+        if argmax is not None and not self.config.final_logit_softcapping:
+            return argmax(hidden)
         return self.compute_logits(hidden), None
 
     # ---- KV layout ------------------------------------------------------------------------

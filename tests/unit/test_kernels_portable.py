@@ -32,6 +32,7 @@ def test_each_kernel_source_compiles_for_the_weakest_cpu_it_is_built_on(tmp_path
     # Compiled, not loaded (this process already registered the ops). -O0: code generation
     # still checks every always-inline intrinsic against its function's target.
     includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    includes.append(f"-I{KERNELS}")  # argmax_rows.h, which the real build stages beside both libraries' sources
     path, march = SOURCES[source]
     defines = [f"-D{d}" for d in (f"PREFETCH_BYTES={native_gemv.PREFETCH_BYTES}", f"PREFETCH_HINT={native_gemv.PREFETCH_HINT}")]
     cmd = ["g++", "-c", "-O0", f"-march={march}", "-std=c++20", "-fopenmp", "-fPIC", "-D_GLIBCXX_USE_CXX11_ABI=1",

@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType as Q
 from tessera import kernels
 from tessera.kernels.linear import InvariantLinear
 from tessera.quant import invariant
+from tessera.quant.gguf_kquant import GGUFBlockLinear
 from tessera.quant.gguf_native import decode_q8_0
 from tessera.quant.int4 import Int4Linear
 from tessera.quant.int8 import Int8Linear
@@ -97,3 +98,70 @@ def test_float32_activations_are_refused():
     _, tiles, d = _q8_0(64, 64, seed=3)
     with pytest.raises(RuntimeError, match="bf16 x only"):
         invariant.qgemm_logits(torch.randn(2, 64), tiles, d, None, invariant.Q8_0, 64, True)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q4_K, Q.Q5_1])
+@pytest.mark.parametrize("m", [1, 17, 40])
+def test_kq_blocks_logits_widen_their_bf16_output(qtype, m):
+    """An lm_head of K-quant blocks (many GGUF files keep output.weight in Q6_K): the KQ kernel's
+    logits and ids, against its own bf16 output widened and torch's argmax of it."""
+    layer = GGUFBlockLinear(torch.from_numpy(random_blocks(qtype, 96, 256, seed=m)), qtype)
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).bfloat16()
+    want = layer(x).float()
+    logits, ids = layer.forward_float_argmax(x)
+    assert torch.equal(logits, want) and torch.equal(ids, want.argmax(-1))
+
+
+@pytest.mark.parametrize("m", [3, 40])
+def test_without_amx_the_other_arithmetic_is_widened(m):
+    """set_arithmetic(0) (tests only; a CPU without AMX has no other): the AVX-512 output widened,
+    torch's argmax of it."""
+    w, tiles, d = _q8_0(256, 64, seed=m)
+    x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m)).bfloat16()
+    invariant.set_arithmetic(0)
+    try:
+        want = invariant.qgemm(x, tiles, d, None, invariant.Q8_0, 256).float()
+        logits, ids = invariant.qgemm_logits(x, tiles, d, None, invariant.Q8_0, 256, True)
+    finally:
+        invariant.set_arithmetic(-1)
+    assert torch.equal(logits, want) and torch.equal(ids, want.argmax(-1))
+
+
+def test_gguf_mode_greedy_ids_from_the_lm_heads_kernel(tiny_model_factory, tmp_path, monkeypatch):
+    """--quantization gguf with a Q8_0 lm_head: the engine's greedy tokens and logprobs are the
+    same with the ids from the kernel's epilogue as with the sampler's own argmax of the logits."""
+    from tessera import SamplingParams
+    from tessera.config import EngineConfig
+    from tessera.engine.engine import LLMEngine
+    from tessera.quant.gguf_native import Q8_0Linear
+    from tests.tiny_model import write_gguf_from_hf_dir
+
+    path = write_gguf_from_hf_dir(tiny_model_factory(tie_word_embeddings=True), tmp_path / "t.gguf", qtype=Q.Q4_1,
+                                  qtypes={"model.embed_tokens.weight": Q.Q8_0})
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", quantization="gguf", max_model_len=256,
+                                    enable_prefix_caching=False))
+    assert isinstance(engine.runner.model.lm_head, Q8_0Linear)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = [list(range(5, 45)), list(range(7, 12)), [3] * 60]
+    calls = []
+    real = Q8_0Linear.logits_argmax
+
+    def counted(self, x):
+        calls.append(x.shape[0])
+        return real(self, x)
+
+    def run(tag):
+        for i, p in enumerate(prompts):
+            engine.add_request(f"{tag}{i}", p, params)
+        out = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    out[o.request_id[1:]] = (o.outputs[0].token_ids, o.outputs[0].logprobs)
+        return out
+
+    monkeypatch.setattr(Q8_0Linear, "logits_argmax", counted)
+    fused = run("a")
+    assert calls  # the kernel's ids were used
+    monkeypatch.setattr(Q8_0Linear, "logits_argmax", lambda self, x: None)
+    assert run("b") == fused

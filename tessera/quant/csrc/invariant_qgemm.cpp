@@ -537,7 +537,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline)) inline voi
 // step from overlapping the products of the last. The same B tiles, and per C tile the same
 // products in the same order as column_pair's: the same bits. `tile(nb, ks, dst)` makes a B tile.
 template <typename Tile>
-__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"), always_inline)) inline void small_pair(
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void small_pair(
     const Weight& w, int64_t pair, const uint16_t* a_hi, int64_t m, int64_t mp, const Out& out, const Tile& tile) {
   const int64_t kb = w.kp / 32, nb0 = 2 * pair;
   const int64_t stride = w.kp * 2;  // bytes per A row
@@ -1113,23 +1113,31 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
 // The logits of an lm_head from its quantized tiles: fp32 [M, n] holding the bf16-rounded values
 // (as linear_bf16(..., f32_out=True) stores them: qgemm's bf16 output, widened), and with argmax
 // each row's first maximum of them, found in the store epilogue (as linear_bf16_argmax); ids is
-// empty without. bf16 x, AMX only: where the bf16 engine reads a GGUF's Q8_0 lm_head.
-std::tuple<at::Tensor, at::Tensor> qgemm_logits(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                                                const c10::optional<at::Tensor>& zero, int64_t fmt, int64_t n,
-                                                int64_t k, bool argmax) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tessera_qgemm.qgemm_logits: bf16 x only");
-  const Weight w = checked_weight(x, codes, scale, zero, fmt, n, k);
+// empty without. bf16 x: the lm_head of a GGUF (Q8_0 blocks, in the bf16 engine or in gguf mode).
+// Without AMX the other arithmetic's output is widened and torch.argmax finds the ids.
+std::tuple<at::Tensor, at::Tensor> logits_of(const at::Tensor& x, const Weight& w, int64_t nbk, bool argmax) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tessera_qgemm: logits from bf16 x only");
   const int64_t m = x.size(0);
+  if (!use_amx()) {  // the AVX-512 arithmetic (no AMX, or a test's set_arithmetic(0)): its output widened
+    at::Tensor logits = run(x, w, nbk).to(at::kFloat);
+    return {logits, argmax ? logits.argmax(-1) : at::empty({0}, x.options().dtype(at::kLong))};
+  }
   ArgmaxCollector collector(m);
-  at::Tensor logits = run(x, w, codes.size(0), true, argmax ? &collector : nullptr);
+  at::Tensor logits = run(x, w, nbk, true, argmax ? &collector : nullptr);
   at::Tensor ids = at::empty({argmax ? m : 0}, x.options().dtype(at::kLong));
   if (argmax && m > 0) collector.finish(ids.data_ptr<int64_t>());
   return {logits, ids};
 }
 
+std::tuple<at::Tensor, at::Tensor> qgemm_logits(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                                const c10::optional<at::Tensor>& zero, int64_t fmt, int64_t n,
+                                                int64_t k, bool argmax) {
+  return logits_of(x, checked_weight(x, codes, scale, zero, fmt, n, k), codes.size(0), argmax);
+}
+
 // GGUF K-quant and Q5 weights (the KQ format above): kind 0 Q5_0, 1 Q5_1, 2 Q4_K / Q5_K, 3 Q6_K.
-at::Tensor kqgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& planes, const at::Tensor& sup,
-                  const c10::optional<at::Tensor>& sub, int64_t kind, int64_t n, int64_t k) {
+Weight checked_kq_weight(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& planes, const at::Tensor& sup,
+                         const c10::optional<at::Tensor>& sub, int64_t kind, int64_t n, int64_t k) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.is_contiguous(), "tessera_qgemm: x must be contiguous [M, ", k, "]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "tessera_qgemm: x bf16 or fp32");
   TORCH_CHECK(codes.dim() == 4 && codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.size(2) == 16 &&
@@ -1154,7 +1162,19 @@ at::Tensor kqgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
   w.kind = kind;
   w.sup_fields = fields;
   w.sub = has_sub ? sub->data_ptr() : nullptr;
-  return run(x, w, nbk);
+  return w;
+}
+
+at::Tensor kqgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& planes, const at::Tensor& sup,
+                  const c10::optional<at::Tensor>& sub, int64_t kind, int64_t n, int64_t k) {
+  return run(x, checked_kq_weight(x, codes, planes, sup, sub, kind, n, k), codes.size(0));
+}
+
+// qgemm_logits for the KQ format (an lm_head of Q6_K or Q4_K blocks, as many K-quant files have).
+std::tuple<at::Tensor, at::Tensor> kqgemm_logits(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& planes,
+                                                 const at::Tensor& sup, const c10::optional<at::Tensor>& sub,
+                                                 int64_t kind, int64_t n, int64_t k, bool argmax) {
+  return logits_of(x, checked_kq_weight(x, codes, planes, sup, sub, kind, n, k), codes.size(0), argmax);
 }
 
 // ---- W8A8: int8 x int8 on AMX (TDPBSSD), exact int32 sums -----------------------------------
@@ -1221,6 +1241,8 @@ TORCH_LIBRARY(tessera_qgemm, lib) {
           "-> (Tensor, Tensor)");
   lib.def("w8a8(Tensor qx, Tensor codes, int n) -> Tensor");
   lib.def("kqgemm(Tensor x, Tensor codes, Tensor planes, Tensor sup, Tensor? sub, int kind, int n, int k) -> Tensor");
+  lib.def("kqgemm_logits(Tensor x, Tensor codes, Tensor planes, Tensor sup, Tensor? sub, int kind, int n, int k, "
+          "bool argmax) -> (Tensor, Tensor)");
   lib.def("set_arithmetic(int arithmetic) -> ()", &set_arithmetic);  // no tensor: a catch-all kernel
 }
 
@@ -1229,4 +1251,5 @@ TORCH_LIBRARY_IMPL(tessera_qgemm, CPU, lib) {
   lib.impl("qgemm_logits", &qgemm_logits);
   lib.impl("w8a8", &w8a8);
   lib.impl("kqgemm", &kqgemm);
+  lib.impl("kqgemm_logits", &kqgemm_logits);
 }
