@@ -48,6 +48,20 @@ def _q5_codes(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
     return low.to(torch.int16) | (high.to(torch.int16) << 4)
 
 
+def _nibbles32(qs: torch.Tensor) -> torch.Tensor:
+    """qs [R, nb, 16] bytes -> 4-bit codes [R, nb, 32] (weight j the low nibble of byte j, j + 16 the high)."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def _decode_q4_0(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b[..., 0:2]) * (_nibbles32(b[..., 2:18]).float() - 8)
+
+
+def _decode_q4_1(b: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    return d * _nibbles32(b[..., 4:20]).float() + m
+
+
 def _decode_q5_0(b: torch.Tensor) -> torch.Tensor:
     d = _f16(b[..., 0:2])
     return d * (_q5_codes(b[..., 2:6], b[..., 6:22]) - 16).float()
@@ -107,12 +121,12 @@ def _decode_q6_k(b: torch.Tensor) -> torch.Tensor:
     return d * (_q6_codes(b) - 32).reshape(*lead, 16, 16).float()
 
 
-_DECODERS = {Q.Q5_0: _decode_q5_0, Q.Q5_1: _decode_q5_1, Q.Q4_K: _decode_q4_k, Q.Q5_K: _decode_q5_k,
-             Q.Q6_K: _decode_q6_k}
+_DECODERS = {Q.Q4_0: _decode_q4_0, Q.Q4_1: _decode_q4_1, Q.Q5_0: _decode_q5_0, Q.Q5_1: _decode_q5_1,
+             Q.Q4_K: _decode_q4_k, Q.Q5_K: _decode_q5_k, Q.Q6_K: _decode_q6_k}
 
 
 def decode_rows(raw: torch.Tensor, qtype: Q) -> torch.Tensor:
-    """Raw block bytes uint8 [R, bytes per row] of a KQUANT_TYPES tensor -> float32 [R, K]."""
+    """Raw block bytes uint8 [R, bytes per row] of a KQUANT_TYPES (or Q4_0 / Q4_1) tensor -> float32 [R, K]."""
     block, nbytes = GGML_QUANT_SIZES[qtype]
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, nbytes)
@@ -120,7 +134,8 @@ def decode_rows(raw: torch.Tensor, qtype: Q) -> torch.Tensor:
 
 
 class GGUFBlockLinear(QuantLinear):
-    """A GGUF weight of a KQUANT_TYPES block type, kept as its file bytes, decoded per row tile."""
+    """A GGUF weight of a KQUANT_TYPES block type (or Q4_0 / Q4_1 where the AMX kernel runs:
+    gguf_native._decode), kept as its file bytes, decoded per row tile."""
 
     def __init__(self, raw: torch.Tensor, qtype: Q) -> None:
         block, nbytes = GGML_QUANT_SIZES[qtype]

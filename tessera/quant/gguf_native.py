@@ -6,9 +6,12 @@ Block formats (32 weights per block, `d` and `m` float16):
 - Q8_0, 34 bytes: d, then 32 int8 codes; W = d * q.
 In Q4 blocks byte j holds weight j in its low nibble and weight j + 16 in its high nibble.
 
-Q4_0 and Q4_1 map onto the int4 kernel's format with group size 32 (scale d, zero point 0 or
-m + 8d): the codes are kept as they are, the scales are rounded from float16 to bfloat16 (the
-kernel's format: a relative change of at most 2^-8 per block scale, far below the 4-bit step).
+Q4_0 and Q4_1: on AMX CPUs the KQ tiles of gguf_tiles.py (GGUFBlockLinear), W computed in float32
+as the file's own dequantization and rounded to bf16 per tile, as the bf16 engine rounds its weight,
+so the mode gives that engine's tokens from a third of the memory (session 29). Elsewhere they map
+onto the int4 kernel's format with group size 32 (scale d, zero point 0 or m + 8d): the codes are
+kept as they are, the scales rounded from float16 to bfloat16 (a relative change of at most 2^-8
+per block scale, far below the 4-bit step), for the faster grouped AVX-512 arithmetic of Zen 4/5.
 Q8_0 keeps its int8 codes and float16 scales as they are and is dequantized in row tiles of about
 2 MiB into the activation dtype for each call (no int8 kernel with per-32 scales exists in torch).
 Q5_0, Q5_1, Q4_K, Q5_K and Q6_K tensors keep their file bytes and decode row tiles per call
@@ -159,6 +162,12 @@ def _decode(tensor) -> tuple | None:
     bytes uint8 [rows, bytes per row]); None if not native."""
     rows = int(np.prod(tensor.shape[1:]))  # GGUF lists dims innermost first
     if tensor.tensor_type in KQUANT_TYPES:
+        return (tensor.tensor_type.name, raw_rows(tensor))
+    if tensor.tensor_type in (Q.Q4_0, Q.Q4_1) and invariant.enabled() and invariant.cpu_has_amx():
+        # The KQ kernel on AMX: W = d q (- 8 d | + m) in float32, the file's own dequantization
+        # exactly, then bf16 per tile, as the bf16 engine's weight (so the same tokens as
+        # --quantization none); INT4's scale and zero would round d and m to bf16 first. Without
+        # AMX, INT4's grouped AVX-512 arithmetic is the faster one and stays.
         return (tensor.tensor_type.name, raw_rows(tensor))
     if tensor.tensor_type == Q.Q4_0:
         codes, d = decode_q4_0(tensor.data, rows)

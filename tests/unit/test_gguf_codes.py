@@ -143,3 +143,24 @@ def test_no_codes_without_amx_or_when_turned_off(tiny_model_factory, tmp_path, m
     monkeypatch.setenv("TESSERA_GGUF_CODES", "0")
     engine = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", max_model_len=256))
     assert not _coded(engine.runner.model)
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_0])
+def test_gguf_mode_gives_the_bf16_engines_tokens(tiny_model_factory, tmp_path, qtype):
+    """On AMX, --quantization gguf computes Q4_0/Q4_1 layers and a Q8_0 lm_head as the bf16 engine
+    rounds them (W the file's float32 dequantization, then bf16), so the two modes give the same
+    tokens and logprobs: the gguf one from the blocks alone, the other from bf16 copies and blocks."""
+    from tessera.quant.gguf_kquant import GGUFBlockLinear
+
+    path = write_gguf_from_hf_dir(tiny_model_factory(tie_word_embeddings=True), tmp_path / "t.gguf", qtype=qtype,
+                                  qtypes={"model.embed_tokens.weight": Q.Q8_0})
+    outs = {}
+    for mode in ("none", "gguf"):
+        engine = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", quantization=mode, max_model_len=256,
+                                        max_num_batched_tokens=32, enable_prefix_caching=False))
+        if mode == "gguf":
+            layers = [m for m in engine.runner.model.modules() if isinstance(m, GGUFBlockLinear)]
+            assert len(layers) == 4 * engine.runner.model.config.num_layers
+        outs[mode] = _generate(engine, mode)
+    assert outs["gguf"] == outs["none"]
