@@ -18,7 +18,7 @@ from tessera.native import load_extension
 
 _SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in (
     "invariant_kernels.cpp", "paged_attention.cpp", "fused_ops.cpp", "decoder_stack.cpp", "sampling.cpp",
-    "argmax_rows.h"))
+    "argmax_rows.h", "silu_rows.h"))
 
 
 @functools.cache

@@ -182,3 +182,26 @@ def test_bad_inputs_are_refused_with_the_reason():
         ops.rotary(torch.randn(1, 64), torch.randn(4, 32), torch.randn(4, 32), torch.tensor([9]), 1, 64)
     with pytest.raises(RuntimeError, match="contiguous"):
         ops.add_rms_norm(torch.randn(8, 4).t(), None, torch.randn(8), 1e-5)
+
+
+GATED_ARITHMETICS = [pytest.param(0, id="avx512"), pytest.param(1, id="amx", marks=pytest.mark.skipif(
+    not kernels.cpu_has_amx_bf16(), reason="needs AMX bf16"))]
+
+
+@pytest.mark.parametrize("arithmetic", GATED_ARITHMETICS)
+@pytest.mark.parametrize(("inter", "k"), [(1536, 576), (64, 96), (48, 64), (40, 64)])
+def test_gate_up_with_silu_in_its_epilogue_is_the_two_ops_bit_for_bit(arithmetic, inter, k):
+    """linear_bf16_silu (the decoder stack's gate_up + silu_mul for a bf16 weight): on AMX the silu
+    runs in the GEMM's store epilogue (gate block j beside up block j); it must equal silu_mul of
+    linear_bf16's output at every row count (one and two row tiles, whole row blocks, a ragged
+    last one). 40 columns of each: not a multiple of 16, the two ops in turn."""
+    from tessera.kernels.linear import InvariantLinear
+
+    g = torch.Generator().manual_seed(inter + k)
+    lin = InvariantLinear((torch.randn(2 * inter, k, generator=g) * 0.1).bfloat16())
+    ops = kernels.ops()
+    for m in (1, 3, 16, 17, 31, 32, 33, 100, 257, 700):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        fused = ops.linear_bf16_silu(x, lin.packed, 2 * inter, arithmetic)
+        want = ops.silu_mul(ops.linear_bf16(x, lin.packed, None, 2 * inter, False, arithmetic))
+        assert fused.shape == (m, inter) and torch.equal(fused.view(torch.int16), want.view(torch.int16)), m

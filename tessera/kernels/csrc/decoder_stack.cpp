@@ -1,6 +1,7 @@
 // A llama-family model's decoder stack for one step in one call: per layer add_rms_norm, the
 // fused qkv linear, rotary_kv (rotary on q and k, then the cache write), paged_attention, the o
-// linear, add_rms_norm, gate_up, silu_mul and down; then the final norm.
+// linear, add_rms_norm, gate_up, silu_mul (in gate_up's epilogue for a bf16 weight:
+// linear_bf16_silu) and down; then the final norm.
 //
 // Why: the Python module path makes about 25 calls into torch per layer (module calls, views,
 // op dispatch with schema parsing); at a batch-1 decode step of a 30-layer model that is several
@@ -83,6 +84,8 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
                                               int64_t, const OptTensor&, const OptTensor&, int64_t)>(
       "tessera_inv::paged_attention");
   static const auto silu_mul = op<at::Tensor(const at::Tensor&)>("tessera_inv::silu_mul");
+  static const auto bf16_linear_silu = op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)>(
+      "tessera_inv::linear_bf16_silu");
 
   TORCH_CHECK(dims.size() == 5, "decoder_stack: dims = (heads, kv_heads, head_dim, hidden, intermediate)");
   const int64_t h = dims[0], hkv = dims[1], d = dims[2], hidden_size = dims[3], inter = dims[4];
@@ -126,8 +129,13 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
                                            block_size, scale, windows[l], none, none, -1);
     const at::Tensor o = linear(l, 1, attn, none, hidden_size);
     std::tie(normed, residual) = norm.call(o, OptTensor(residual), w[1], eps);
-    const at::Tensor gate_up = linear(l, 2, normed, none, 2 * inter);
-    x = linear(l, 3, silu_mul.call(gate_up), none, hidden_size);
+    // gate_up and silu_mul in one call where the bf16 weight serves it (the silu in the GEMM's store
+    // epilogue: the same bits, no [T, 2 * inter] output); the blocks and quantized kinds in turn
+    const int64_t gi = 4 * l + 2, gate_kind = lin_meta[2 * gi];
+    const bool fused = gate_kind == 0 || (gate_kind == 4 && normed.size(0) > kCodesMaxRows);
+    const at::Tensor act = fused ? bf16_linear_silu.call(normed, *lin_tensors.get(4 * gi), 2 * inter, -1)
+                                 : silu_mul.call(linear(l, 2, normed, none, 2 * inter));
+    x = linear(l, 3, act, none, hidden_size);
   }
   return std::get<0>(norm.call(x, layers ? OptTensor(residual) : none, final_norm, eps));
 }

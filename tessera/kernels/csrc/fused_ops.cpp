@@ -18,6 +18,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "silu_rows.h"
+
 namespace {
 
 // slots as a long tensor of one cache slot per token, every slot checked against the cache's
@@ -58,23 +60,6 @@ inline __m512 round16(__m512 v, const float*) { return v; }
 inline __m512 round16(__m512 v, const at::BFloat16*) {
   const __m256bh h = _mm512_cvtneps_pbh(v);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(h)), 16));
-}
-
-// exp(x): 2^n times a degree-6 polynomial of the reduced argument (libm's expf is scalar).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.3981999507e-3f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i bits = _mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23));
-  return _mm512_castsi512_ps(bits);
 }
 
 void check_cpu() {
@@ -258,16 +243,13 @@ at::Tensor rotary_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
 template <typename T>
 void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
   at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
-    const __m512 one = _mm512_set1_ps(1.0f);
     for (int64_t r = begin; r < end; ++r) {
       const T* g = gu + r * 2 * inter;
       const T* u = g + inter;
       T* o = out + r * inter;
       for (int64_t i = 0; i < inter; i += 16) {
         const __mmask16 m = tail_mask(inter - i);
-        const __m512 gv = load16(g + i, m);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-        const __m512 act = round16(_mm512_div_ps(gv, _mm512_add_ps(one, e)), g);  // silu rounds, then the product
+        const __m512 act = round16(silu16(load16(g + i, m)), g);  // silu rounds, then the product
         store16(o + i, _mm512_mul_ps(act, load16(u + i, m)), m);
       }
     }

@@ -19,6 +19,7 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -33,6 +34,7 @@
 #include <vector>
 
 #include "argmax_rows.h"
+#include "silu_rows.h"
 
 namespace {
 
@@ -59,6 +61,18 @@ inline void store_row_bf16(
   if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias));
   __m256bh h = _mm512_cvtneps_pbh(v);
   _mm256_mask_storeu_epi16(reinterpret_cast<void*>(out), mask, reinterpret_cast<__m256i&>(h));
+}
+
+// 16 columns of silu(gate) * up from the fp32 C rows of gate and up: each rounded to bf16 first,
+// as the bf16 gate_up output silu_mul reads, then silu_mul's arithmetic (silu_rows.h).
+inline void store_silu_row(const float* gate, const float* up, at::BFloat16* out) {
+  const auto bf16_round = [](__m512 v) {
+    const __m256bh h = _mm512_cvtneps_pbh(v);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(h)), 16));
+  };
+  const __m512 act = bf16_round(silu16(bf16_round(_mm512_loadu_ps(gate))));
+  const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(act, bf16_round(_mm512_loadu_ps(up))));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), reinterpret_cast<const __m256i&>(h));
 }
 
 // One register tile of the AVX-512 kernel: R rows x C 16-column blocks, every output its own
@@ -288,8 +302,11 @@ constexpr int64_t kPrefetch = 4;
 // of the next pair's blocks (the next task's, in the packed order): both of them, so the next
 // pair's first tiles are on their way too (without the skip, b0's overrun fetched b1's first
 // tiles late, while b1's fetched only the next b0).
-inline void prefetch_tiles(const at::BFloat16* b0, const at::BFloat16* b1, int64_t ks, int64_t k_steps) {
-  const int64_t skip = ks + kPrefetch >= k_steps ? k_steps * 16 * 32 : 0;  // one block: b0 -> next b0
+// With gated (linear_bf16_silu: b0 a gate block, b1 its up block, each pair's next block right
+// after it) the overrun already lands in the next pair's blocks: no skip.
+inline void prefetch_tiles(const at::BFloat16* b0, const at::BFloat16* b1, int64_t ks, int64_t k_steps,
+                           bool gated = false) {
+  const int64_t skip = !gated && ks + kPrefetch >= k_steps ? k_steps * 16 * 32 : 0;  // one block: b0 -> next b0
   const char* p0 = reinterpret_cast<const char*>(b0 + (ks + kPrefetch) * 16 * 32 + skip);
   const char* p1 = reinterpret_cast<const char*>(b1 + (ks + kPrefetch) * 16 * 32 + skip);
   for (int line = 0; line < 1024; line += 64) {
@@ -318,10 +335,13 @@ int64_t row_block_tiles(int64_t m_tiles, int64_t kp) {
 // C tile row is its A row times B, summed over K in the same order, so neither the blocking nor
 // the grouping ever changes a row's result.
 // out is bf16, or (out_f32 set instead) fp32 holding the bf16-rounded values.
+// gated (linear_bf16_silu; B a gate_up weight of n = 2 x inter columns, inter a multiple of 16,
+// no bias): pair j is gate block j and up block inter / 16 + j, and the epilogue stores
+// silu(gate) * up into out [m, inter] as silu_mul does it from the bf16 gate_up output.
 void amx_gemm(
     const at::BFloat16* a, const at::BFloat16* b, const float* bias, at::BFloat16* out, float* out_f32, int64_t m,
-    int64_t mp, int64_t n, int64_t np, int64_t kp, ArgmaxCollector* argmax) {
-  const int64_t n_pairs = np / 32, m_tiles = mp / 16, k_steps = kp / 32;
+    int64_t mp, int64_t n, int64_t np, int64_t kp, ArgmaxCollector* argmax, bool gated = false) {
+  const int64_t n_pairs = gated ? n / 32 : np / 32, m_tiles = mp / 16, k_steps = kp / 32;
   const int64_t b_block = (kp / 2) * 32;  // bf16 elements of one 16-column block
   const int64_t block_tiles = row_block_tiles(m_tiles, kp);
   const int64_t row_blocks = (m_tiles + block_tiles - 1) / block_tiles;
@@ -332,8 +352,8 @@ void amx_gemm(
     for (int64_t task = begin; task < end; ++task) {
       const int64_t np_i = task % n_pairs, mt0 = (task / n_pairs) * block_tiles;
       const int64_t mt_end = std::min(m_tiles, mt0 + block_tiles);
-      const at::BFloat16* b0 = b + (2 * np_i) * b_block;
-      const at::BFloat16* b1 = b0 + b_block;
+      const at::BFloat16* b0 = b + (gated ? np_i : 2 * np_i) * b_block;
+      const at::BFloat16* b1 = gated ? b0 + n_pairs * b_block : b0 + b_block;
       for (int64_t mt = mt0; mt < mt_end; mt += 2) {
         const bool two = mt + 1 < mt_end;
         const at::BFloat16* a0 = a + mt * 16 * kp;
@@ -347,7 +367,7 @@ void amx_gemm(
           _tile_zero(2);
           _tile_zero(3);
           for (int64_t ks = 0; ks < k_steps; ++ks) {
-            if (stream) prefetch_tiles(b0, b1, ks, k_steps);
+            if (stream) prefetch_tiles(b0, b1, ks, k_steps, gated);
             _tile_loadd(4, a0 + ks * 32, kp * 2);
             _tile_loadd(5, a1 + ks * 32, kp * 2);
             _tile_loadd(6, b0 + ks * 16 * 32, 64);
@@ -359,7 +379,7 @@ void amx_gemm(
           }
         } else {
           for (int64_t ks = 0; ks < k_steps; ++ks) {
-            if (stream) prefetch_tiles(b0, b1, ks, k_steps);
+            if (stream) prefetch_tiles(b0, b1, ks, k_steps, gated);
             _tile_loadd(4, a0 + ks * 32, kp * 2);
             _tile_loadd(6, b0 + ks * 16 * 32, 64);
             _tile_loadd(7, b1 + ks * 16 * 32, 64);
@@ -372,6 +392,12 @@ void amx_gemm(
         if (two) {
           _tile_stored(2, c[2], 64);
           _tile_stored(3, c[3], 64);
+        }
+        if (gated) {  // C tiles 0 / 2: gate, 1 / 3: up, of rows 0-15 / 16-31
+          for (int q = 0; q < (two ? 4 : 2); q += 2)
+            for (int r = 0; r < 16 && (mt + q / 2) * 16 + r < m; ++r)
+              store_silu_row(c[q] + r * 16, c[q + 1] + r * 16, out + ((mt + q / 2) * 16 + r) * n_pairs * 16 + np_i * 16);
+          continue;
         }
         for (int q = 0; q < (two ? 4 : 2); ++q) {
           const int64_t row0 = (mt + q / 2) * 16, col0 = (2 * np_i + q % 2) * 16;
@@ -398,7 +424,8 @@ bool cpu_has_amx_bf16() {
 }
 
 at::Tensor linear_bf16_impl(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                            int64_t n, bool f32_out, int64_t arithmetic, ArgmaxCollector* argmax) {
+                            int64_t n, bool f32_out, int64_t arithmetic, ArgmaxCollector* argmax,
+                            bool gated = false) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "linear_bf16: bf16 only");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2, "linear_bf16: bad packed weight");
   // arithmetic: -1 the machine's (AMX where it has it), 0 AVX-512 BF16, 1 AMX (an error without it).
@@ -431,15 +458,30 @@ at::Tensor linear_bf16_impl(const at::Tensor& x, const at::Tensor& packed, const
     }
     a_ptr = scratch.data();
   }
-  auto out = at::empty({m, n}, x.options().dtype(f32_out ? at::kFloat : at::kBFloat16));
+  const int64_t n_out = gated ? n / 2 : n;
+  auto out = at::empty({m, n_out}, x.options().dtype(f32_out ? at::kFloat : at::kBFloat16));
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) bias_f = bias->to(at::kFloat).contiguous();
   amx_gemm(a_ptr, packed.data_ptr<at::BFloat16>(), bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
            f32_out ? nullptr : out.data_ptr<at::BFloat16>(), f32_out ? out.data_ptr<float>() : nullptr, m, mp, n, np,
-           kp, argmax);
+           kp, argmax, gated);
   auto shape = x.sizes().vec();
-  shape.back() = n;
+  shape.back() = n_out;
   return out.view(shape);
+}
+
+// silu(x W_gate^T) * (x W_up^T) from a fused gate_up weight (n = 2 x inter columns, gate first):
+// silu_mul(linear_bf16(x, packed, None, n)) bit for bit. On AMX the silu runs in the GEMM's store
+// epilogue (amx_gemm gated), so the [M, n] gate_up output is never stored and read back: at a
+// 256-token prefill that was 1.5 MB a layer, half of each row written by the other core. Elsewhere
+// (AVX-512 BF16, or inter not a multiple of 16) the two ops in turn.
+at::Tensor linear_bf16_silu(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t arithmetic) {
+  const bool amx = arithmetic < 0 ? cpu_has_amx_bf16() : arithmetic == 1;
+  if (amx && n % 32 == 0 && packed.dim() == 4 && packed.size(0) * 16 == n)
+    return linear_bf16_impl(x, packed, c10::nullopt, n, false, arithmetic, nullptr, true);
+  static const auto silu_mul =
+      c10::Dispatcher::singleton().findSchemaOrThrow("tessera_inv::silu_mul", "").typed<at::Tensor(const at::Tensor&)>();
+  return silu_mul.call(linear_bf16_impl(x, packed, c10::nullopt, n, false, arithmetic, nullptr).contiguous());
 }
 
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
@@ -515,10 +557,12 @@ TORCH_LIBRARY(tessera_inv, m) {
   m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias, int n, bool f32_out=False, int arithmetic=-1) -> Tensor");
   m.def("linear_f32(Tensor x, Tensor wt, Tensor? bias, int n) -> Tensor");
   m.def("linear_bf16_argmax(Tensor x, Tensor packed, Tensor? bias, int n, int arithmetic=-1) -> (Tensor, Tensor)");
+  m.def("linear_bf16_silu(Tensor x, Tensor packed, int n, int arithmetic=-1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tessera_inv, CPU, m) {
   m.impl("linear_bf16", &linear_bf16);
   m.impl("linear_f32", &linear_f32);
   m.impl("linear_bf16_argmax", &linear_bf16_argmax);
+  m.impl("linear_bf16_silu", &linear_bf16_silu);
 }

@@ -1,0 +1,34 @@
+// silu(gate) as the fused ops compute it, shared by silu_mul (fused_ops.cpp) and the gate_up
+// linear that applies it in its store epilogue (invariant_kernels.cpp: linear_bf16_silu), so the
+// two give the same bits: exp by a fixed polynomial, then g / (1 + exp(-g)) in fp32. Callers round
+// the result to their dtype and multiply by up.
+#pragma once
+
+#include <immintrin.h>
+
+namespace {
+
+// exp(x): 2^n times a degree-6 polynomial of the reduced argument (libm's expf is scalar).
+__attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.3981999507e-3f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i bits = _mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23));
+  return _mm512_castsi512_ps(bits);
+}
+
+// silu(g) = g / (1 + exp(-g)), unrounded fp32 (-g as 0 - g: +0 for g = 0).
+__attribute__((target("avx512f"))) inline __m512 silu16(__m512 g) {
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+}  // namespace
