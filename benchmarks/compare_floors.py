@@ -59,16 +59,23 @@ def gguf_weight_bytes(path: str) -> int:
 def bf16_codes_saving(path: str) -> int:
     """Bytes a Tessera bf16 decode step does not read on this machine because it computes its layer
     weights from the GGUF file's blocks (tessera/quant/gguf_codes.py: Q4_0/Q4_1/Q5_0/Q5_1 tensors, AMX
-    CPUs, unless TESSERA_GGUF_CODES=0): per such tensor its bf16 bytes less its file bytes. 0 where the
+    CPUs, unless TESSERA_GGUF_CODES=0), and its lm_head from Q8_0 blocks (output.weight, or
+    token_embd.weight when tied): per such tensor its bf16 bytes less its file bytes. 0 where the
     engine reads bf16 (another file type, no AMX), so its floor is the bytes it reads."""
+    from gguf import GGMLQuantizationType as Q
     from gguf import GGUFReader
 
     from tessera.quant import gguf_codes
 
     if not str(path).endswith(".gguf") or not gguf_codes.enabled():
         return 0
-    return sum(int(t.n_elements) * 2 - int(t.n_bytes) for t in GGUFReader(path).tensors
-               if t.name.startswith("blk.") and t.tensor_type in gguf_codes.TYPES)
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    saving = sum(int(t.n_elements) * 2 - int(t.n_bytes) for name, t in tensors.items()
+                 if name.startswith("blk.") and t.tensor_type in gguf_codes.TYPES)
+    lm_head = tensors.get("output.weight", tensors.get("token_embd.weight"))
+    if lm_head is not None and lm_head.tensor_type == Q.Q8_0:
+        saving += int(lm_head.n_elements) * 2 - int(lm_head.n_bytes)
+    return saving
 
 
 def _step(cfg: ModelConfig, tokens: int, contexts: list[tuple[int, int]], logit_rows: int, elem: int,
