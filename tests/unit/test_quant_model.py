@@ -238,3 +238,27 @@ def test_shipped_text_is_a_few_thousand_tokens():
 
     words = DEFAULT_TEXT.read_text(encoding="utf-8").split()
     assert 1500 <= len(words) <= 4000
+
+
+@pytest.mark.parametrize(("method", "qtype"), [("gguf", Q.Q4_1), ("int4", None), ("int8", None)])
+def test_quantized_buffers_lie_in_one_buffer_in_call_order(tiny_model_dir, tmp_path, method, qtype):
+    """A decode step streams the quantized weights layer by layer, then the lm_head: their buffers
+    are carved from one allocation in that order (pack_in_call_order), and the logits are the ones
+    the layers give from buffers of their own."""
+    path = write_gguf_from_hf_dir(tiny_model_dir, tmp_path / "t.gguf", qtype=qtype) if qtype else tiny_model_dir
+    kw = {"quantize_lm_head": True} if method != "gguf" else {}
+    model = load(path, method, **kw)
+    slots = linear_weight_slots(model, quantize_lm_head=True)
+    layers = [getattr(owner, name) for owner, name, _ in slots]
+    assert all(isinstance(w, QuantLinear) for w in layers)
+    held = [b for w in layers for sub in w.modules() for b in sub._buffers.values() if b is not None and b.numel()]
+    starts = [b.data_ptr() for b in held]
+    assert starts == sorted(starts) and len(set(starts)) == len(starts)
+    assert len({b.untyped_storage().data_ptr() for b in held}) == 1
+    want = logits(model, PROMPT)
+    for w in layers:  # the same layers with buffers of their own again
+        for sub in w.modules():
+            for name, b in list(sub._buffers.items()):
+                if b is not None:
+                    sub._buffers[name] = b.clone()
+    assert torch.equal(logits(model, PROMPT), want)
