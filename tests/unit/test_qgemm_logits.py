@@ -130,19 +130,17 @@ def test_without_amx_the_other_arithmetic_is_widened(m):
 def test_gguf_mode_greedy_ids_from_the_lm_heads_kernel(tiny_model_factory, tmp_path, monkeypatch):
     """--quantization gguf with a Q8_0 lm_head: the engine's greedy tokens and logprobs are the
     same with the ids from the kernel's epilogue as with the sampler's own argmax of the logits."""
-    from tessera import SamplingParams
     from tessera.config import EngineConfig
     from tessera.engine.engine import LLMEngine
     from tessera.quant.gguf_native import Q8_0Linear
     from tests.tiny_model import write_gguf_from_hf_dir
+    from tests.unit.test_gguf_codes import _generate
 
     path = write_gguf_from_hf_dir(tiny_model_factory(tie_word_embeddings=True), tmp_path / "t.gguf", qtype=Q.Q4_1,
                                   qtypes={"model.embed_tokens.weight": Q.Q8_0})
     engine = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", quantization="gguf", max_model_len=256,
                                     enable_prefix_caching=False))
     assert isinstance(engine.runner.model.lm_head, Q8_0Linear)
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
-    prompts = [list(range(5, 45)), list(range(7, 12)), [3] * 60]
     calls = []
     real = Q8_0Linear.logits_argmax
 
@@ -150,18 +148,8 @@ def test_gguf_mode_greedy_ids_from_the_lm_heads_kernel(tiny_model_factory, tmp_p
         calls.append(x.shape[0])
         return real(self, x)
 
-    def run(tag):
-        for i, p in enumerate(prompts):
-            engine.add_request(f"{tag}{i}", p, params)
-        out = {}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.finished:
-                    out[o.request_id[1:]] = (o.outputs[0].token_ids, o.outputs[0].logprobs)
-        return out
-
     monkeypatch.setattr(Q8_0Linear, "logits_argmax", counted)
-    fused = run("a")
+    fused = _generate(engine, "a")
     assert calls  # the kernel's ids were used
     monkeypatch.setattr(Q8_0Linear, "logits_argmax", lambda self, x: None)
-    assert run("b") == fused
+    assert _generate(engine, "b") == fused

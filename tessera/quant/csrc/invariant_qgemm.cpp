@@ -488,53 +488,6 @@ __attribute__((target("avx512f"))) inline void prefetch_pair_ahead(const Weight&
 // tiles into C tiles 0-1 and 2-3 (free: there is no remainder without float32 activations).
 // column_pair's whole-K buffer went through L2 at K = 1536 and kept the dequantization of one
 // step from overlapping the products of the last. The same B tiles, and per C tile the same
-// products in the same order as column_pair's: the same bits.
-// Decode sizes on AMX (at most 32 rows, bf16 activations, a quantized format): each K step's two
-// tiles dequantized into a 2 KiB buffer that stays in L1 and multiplied at once, one or two row
-// tiles into C tiles 0-1 and 2-3 (free: there is no remainder without float32 activations).
-// column_pair's whole-K buffer went through L2 at K = 1536 and kept the dequantization of one
-// step from overlapping the products of the last. The same B tiles, and per C tile the same
-// products in the same order as column_pair's: the same bits.
-// A KQ tile with P bit planes as a bf16 B tile into dst: dequant_tile's values (the same lookup,
-// plane adds and fma, then bf16), with the format's branches, the plane loop and the call gone.
-// In column_pair_small at one row the called dequant_tile took ~40 ns a Q4_1 tile on an Intel Xeon
-// with AMX (model 167), the same instructions alone in a loop 24.
-template <int P>
-__attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline)) inline void kq_tile(const Weight& w, int64_t nb,
-                                                                                         int64_t ks, uint16_t* dst) {
-  const int64_t tile = nb * (w.kp / 32) + ks;
-  const uint8_t* src = static_cast<const uint8_t*>(w.codes) + tile * 256;
-  const int32_t* planes = w.planes + tile * 16 * P;
-  __m512 s0, z0, s1, z1, slo, shi, zlo, zhi;
-  kq_scales(w, nb, ks, s0, z0, s1, z1);
-  const bool halves = w.kind == kQ6_K;  // the only kind whose two halves scale differently
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  expand_cols(s0, slo, shi);
-  expand_cols(z0, zlo, zhi);
-#pragma GCC unroll 16
-  for (int r = 0; r < 16; ++r) {
-    if (r == 8 && halves) {
-      expand_cols(s1, slo, shi);
-      expand_cols(z1, zlo, zhi);
-    }
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + r * 16)));
-    __m512 v0 = _mm512_permutexvar_ps(b, iota), v1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), iota);
-    for (int p = 0; p < P; ++p) {
-      const uint32_t bits = static_cast<uint32_t>(planes[r * P + p]);
-      const __m512 add = _mm512_set1_ps(static_cast<float>(16 << p));
-      v0 = _mm512_mask_add_ps(v0, static_cast<__mmask16>(bits & 0xFFFF), v0, add);
-      v1 = _mm512_mask_add_ps(v1, static_cast<__mmask16>(bits >> 16), v1, add);
-    }
-    const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(v1, shi, zhi), _mm512_fmadd_ps(v0, slo, zlo));
-    _mm512_storeu_si512(dst + r * 32, reinterpret_cast<const __m512i&>(h));
-  }
-}
-
-// Decode sizes on AMX (at most 32 rows, bf16 activations, a quantized format): each K step's two
-// tiles dequantized into a 2 KiB buffer that stays in L1 and multiplied at once, one or two row
-// tiles into C tiles 0-1 and 2-3 (free: there is no remainder without float32 activations).
-// column_pair's whole-K buffer went through L2 at K = 1536 and kept the dequantization of one
-// step from overlapping the products of the last. The same B tiles, and per C tile the same
 // products in the same order as column_pair's: the same bits. `tile(nb, ks, dst)` makes a B tile.
 template <typename Tile>
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void small_pair(
