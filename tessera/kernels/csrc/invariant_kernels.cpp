@@ -15,6 +15,8 @@
 //                  found in the store epilogue while the values are in registers: greedy
 //                  sampling without a second pass over [M, vocab] (1.2 ms of a 32-row decode
 //                  step re-read 6.3 MB of logits that had just left the caches).
+//   * linear_bf16_silu: a gate_up linear with silu(gate) * up in its store epilogue (AMX), the
+//                  bits of silu_mul(linear_bf16(...)) without the [M, 2 x inter] output.
 // paged_attention (the same op library) lives in paged_attention.cpp.
 #include <torch/library.h>
 #include <ATen/ATen.h>
