@@ -94,3 +94,12 @@ class Arena:
         out = self._buffer[self._at : self._at + nbytes].view(dtype).view(shape)
         self._at += -(-nbytes // self.ALIGN) * self.ALIGN
         return out
+
+
+def copies_in_order(tensors: list[torch.Tensor], device: torch.device | str = "cpu",
+                    huge: bool = False) -> list[torch.Tensor]:
+    """Copies of `tensors` carved from one Arena in their order: weights a decode step streams
+    (the bf16 engine's GGUF blocks, quantized layers' buffers) as one mapping and one stream for
+    the prefetchers and the TLB."""
+    arena = Arena([(tuple(t.shape), t.dtype) for t in tensors], device, huge)
+    return [arena.take(tuple(t.shape), t.dtype).copy_(t) for t in tensors]

@@ -81,15 +81,14 @@ def attach_gguf_codes(model, files) -> int:
     # One huge-page buffer in call order, as the bf16 weights' (tessera.memory.Arena): a decode
     # streams it from layer to layer. Separate allocations ran the 120 linears no faster than bf16.
     parts = [t for _, tiles, _ in found for t in (tiles.codes, tiles.sup)] + list(lm_head[1:] if lm_head else [])
-    arena = memory.Arena([(t.shape, t.dtype) for t in parts], huge=True)
+    copies = iter(memory.copies_in_order(parts, huge=True))
     for w, tiles, kind in found:
-        tiles.codes = arena.take(tiles.codes.shape, tiles.codes.dtype).copy_(tiles.codes)
-        tiles.sup = arena.take(tiles.sup.shape, tiles.sup.dtype).copy_(tiles.sup)
+        tiles.codes, tiles.sup = next(copies), next(copies)
         w.attach_codes(tiles, kind)
     nbytes = sum(tiles.nbytes() for _, tiles, _ in found)
     if lm_head:
         w, tiles, d = lm_head
-        w.attach_q8_0(*(arena.take(t.shape, t.dtype).copy_(t) for t in (tiles, d)))
+        w.attach_q8_0(next(copies), next(copies))
         nbytes += tiles.numel() * tiles.element_size() + d.numel() * d.element_size()
     count = len(found) + (lm_head is not None)
     if count:

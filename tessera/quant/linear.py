@@ -241,9 +241,9 @@ def pack_in_call_order(weights: list) -> None:
     device = found[0][2].device
     if any(b.device != device for _, _, b in found):
         return
-    arena = memory.Arena([(tuple(b.shape), b.dtype) for _, _, b in found], device, huge=device.type == "cpu")
-    for m, name, b in found:
-        m._buffers[name] = arena.take(tuple(b.shape), b.dtype).copy_(b)
+    copies = memory.copies_in_order([b for _, _, b in found], device, huge=device.type == "cpu")
+    for (m, name, _), copy in zip(found, copies, strict=True):
+        m._buffers[name] = copy
 
 
 def _prune(slots: list[tuple[nn.Module, str, str]], method: str) -> None:

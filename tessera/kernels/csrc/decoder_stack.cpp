@@ -99,16 +99,20 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
               "decoder_stack: hidden must be contiguous [T, ", hidden_size, "]");
   const bool bf16 = hidden.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || hidden.scalar_type() == at::kFloat, "decoder_stack: bf16 or float32 hidden states");
+  // Whether linear li's call on x takes its bf16 packed weight: kind 0, and kind 4 above
+  // kCodesMaxRows rows or with a bias (else its blocks).
+  auto takes_bf16 = [&](int64_t li, const at::Tensor& x, const OptTensor& bias) {
+    const int64_t kind = lin_meta[2 * li];
+    return kind == 0 || (kind == 4 && (bias.has_value() || x.size(0) > kCodesMaxRows));
+  };
   // Linear j (0 qkv, 1 o, 2 gate_up, 3 down) of layer l.
   auto linear = [&](int64_t l, int64_t j, const at::Tensor& x, const OptTensor& bias, int64_t n) {
     const int64_t li = 4 * l + j, kind = lin_meta[2 * li], fmt = lin_meta[2 * li + 1];
-    if (kind == 0) return bf16_linear.call(x, *lin_tensors.get(4 * li), bias, n, false, -1);
+    if (takes_bf16(li, x, bias)) return bf16_linear.call(x, *lin_tensors.get(4 * li), bias, n, false, -1);
     if (kind == 1) return f32.call(x, *lin_tensors.get(4 * li), bias, n);
-    if (kind == 4) {
-      if (bias.has_value() || x.size(0) > kCodesMaxRows) return bf16_linear.call(x, *lin_tensors.get(4 * li), bias, n, false, -1);
+    if (kind == 4)
       return kq_linear(x, *lin_tensors.get(4 * li + 1), *lin_tensors.get(4 * li + 2), *lin_tensors.get(4 * li + 3),
                        OptTensor(), fmt, n);
-    }
     at::Tensor y = quant_linear(x, lin_tensors, 4 * li, kind, fmt, n);
     return bias.has_value() ? y + *bias : y;
   };
@@ -131,10 +135,10 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
     std::tie(normed, residual) = norm.call(o, OptTensor(residual), w[1], eps);
     // gate_up and silu_mul in one call where the bf16 weight serves it (the silu in the GEMM's store
     // epilogue: the same bits, no [T, 2 * inter] output); the blocks and quantized kinds in turn
-    const int64_t gi = 4 * l + 2, gate_kind = lin_meta[2 * gi];
-    const bool fused = gate_kind == 0 || (gate_kind == 4 && normed.size(0) > kCodesMaxRows);
-    const at::Tensor act = fused ? bf16_linear_silu.call(normed, *lin_tensors.get(4 * gi), 2 * inter, -1)
-                                 : silu_mul.call(linear(l, 2, normed, none, 2 * inter));
+    const int64_t gi = 4 * l + 2;
+    const at::Tensor act = takes_bf16(gi, normed, none)
+                               ? bf16_linear_silu.call(normed, *lin_tensors.get(4 * gi), 2 * inter, -1)
+                               : silu_mul.call(linear(l, 2, normed, none, 2 * inter));
     x = linear(l, 3, act, none, hidden_size);
   }
   return std::get<0>(norm.call(x, layers ? OptTensor(residual) : none, final_norm, eps));
