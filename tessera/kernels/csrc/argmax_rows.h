@@ -27,6 +27,12 @@ struct ArgmaxChunk {
   std::vector<uint8_t> seen;
   explicit ArgmaxChunk(int64_t m)
       : value(m * 16, -std::numeric_limits<float>::infinity()), index(m * 16, 0), seen(m, 0) {}
+  // Empty again, for the next run of tasks.
+  void reset() {
+    std::fill(value.begin(), value.end(), -std::numeric_limits<float>::infinity());
+    std::fill(index.begin(), index.end(), 0);
+    std::fill(seen.begin(), seen.end(), 0);
+  }
 };
 
 struct ArgmaxPartial {

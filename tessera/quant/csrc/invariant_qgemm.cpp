@@ -47,6 +47,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -954,6 +955,58 @@ void set_arithmetic(int64_t arithmetic) {
   g_arithmetic = arithmetic;
 }
 
+// The column pairs [0, pairs) of one call over its threads. Each thread walks an even contiguous
+// share from its front (the order prefetch_pair_ahead reads ahead in); a thread whose share is done
+// takes the back half of what another has left, as its share, and walks that from its front. Two
+// equal static shares had ended ~5 us apart in a decode-size call (the threads' memory traffic is
+// not shared evenly) and the call waited for the later one. Which thread computes a pair does not
+// change its bits.
+class PairQueue {
+ public:
+  PairQueue(int64_t pairs, int64_t threads) : shares_(new Share[threads]), threads_(threads) {
+    for (int64_t i = 0; i < threads; ++i)
+      shares_[i].range.store(pack(pairs * i / threads, pairs * (i + 1) / threads), std::memory_order_relaxed);
+  }
+
+  // The next pair for thread `self`, or -1 when every pair is taken.
+  int64_t next(int64_t self) {
+    Share& own = shares_[self];
+    for (;;) {
+      uint64_t r = own.range.load(std::memory_order_relaxed);
+      while (front(r) < back(r))
+        if (own.range.compare_exchange_weak(r, pack(front(r) + 1, back(r)), std::memory_order_relaxed)) return front(r);
+      if (!steal(self)) return -1;
+    }
+  }
+
+ private:
+  struct alignas(64) Share {
+    std::atomic<uint64_t> range;  // front | back << 32: the pairs [front, back) not yet taken
+  };
+  static uint64_t pack(uint64_t f, uint64_t b) { return f | b << 32; }
+  static uint64_t front(uint64_t r) { return r & 0xffffffffu; }
+  static uint64_t back(uint64_t r) { return r >> 32; }
+
+  // The back half (rounded up) of the first other share with pairs left becomes self's share.
+  bool steal(int64_t self) {
+    for (int64_t j = 1; j < threads_; ++j) {
+      Share& victim = shares_[(self + j) % threads_];
+      uint64_t r = victim.range.load(std::memory_order_relaxed);
+      while (front(r) < back(r)) {
+        const uint64_t mid = front(r) + (back(r) - front(r)) / 2;
+        if (victim.range.compare_exchange_weak(r, pack(front(r), mid), std::memory_order_relaxed)) {
+          shares_[self].range.store(pack(mid, back(r)), std::memory_order_relaxed);
+          return true;
+        }
+      }
+    }
+    return false;
+  }
+
+  std::unique_ptr<Share[]> shares_;
+  int64_t threads_;
+};
+
 // Every column pair of the weight for every activation row of x (the caller checked w). With
 // logits (bf16 x on AMX only): fp32 out holding the bf16-rounded values, and with argmax each
 // row's first maximum of them (the chunks are runs of column pairs, in order).
@@ -969,15 +1022,21 @@ at::Tensor run(const at::Tensor& x, const Weight& w, int64_t nbk, bool logits = 
   const bool split = x.scalar_type() == at::kFloat;
   const size_t need = size_t(mp * kp) * (split ? 2 : 1);
   if (abuf.size() < need) abuf.resize(need);
-  uint16_t* a_hi = abuf.data();
-  uint16_t* a_lo = split ? a_hi + mp * kp : nullptr;
-  pack_a(x, m, k, kp, a_hi, a_lo);
+  const bool amx = use_amx();
+  // Decode sizes on AMX (column_pair_small) configure the A tiles to the call's rows, so bf16 x
+  // whose rows need no K padding is read in place: no serial copy before the threads start.
+  const bool small = amx && mp <= 32 && !split && fmt != kBf16;
+  const uint16_t* a_hi = abuf.data();
+  uint16_t* a_lo = split ? abuf.data() + mp * kp : nullptr;
+  if (small && kp == k && m > 0)
+    a_hi = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  else
+    pack_a(x, m, k, kp, abuf.data(), a_lo);
   auto out = at::empty({m, n}, x.options().dtype(logits ? at::kFloat : x.scalar_type()));
   void* outp = out.data_ptr();
   const at::ScalarType dtype = x.scalar_type();
   // float32 activations also take the weight's remainder where W is not exact in bf16.
   const bool w_lo = split && (fmt == kQ8_0 || fmt == kInt4 || fmt == kKQ || (fmt == kBf16 && w.zero));
-  const bool amx = use_amx();
   TORCH_CHECK(!logits || (amx && !split), "tessera_qgemm: logits from bf16 activations on AMX only");
   if (!amx && fmt == kInt4) {
     int4_avx512(w, nbk, a_hi, a_lo, m, outp, dtype);
@@ -1003,23 +1062,32 @@ at::Tensor run(const at::Tensor& x, const Weight& w, int64_t nbk, bool logits = 
     });
     return out;
   }
-  at::parallel_for(0, nbk / 2, 1, [&](int64_t p0, int64_t p1) {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nbk / 2));
+  PairQueue queue(nbk / 2, threads);
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     thread_local std::vector<uint16_t> bbuf;
     if (bbuf.size() < size_t(kb * 4 * 512)) bbuf.resize(kb * 4 * 512);
-    if (!amx) {
-      for (int64_t p = p0; p < p1; ++p) column_pair_avx512(w, p, a_hi, a_lo, w_lo, m, bbuf.data(), outp, dtype);
-      return;
-    }
+    if (amx) configure_tiles(small ? m : 0);
     std::unique_ptr<ArgmaxChunk> chunk(argmax ? new ArgmaxChunk(m) : nullptr);
     const Out o{outp, dtype, logits, chunk.get()};
-    const bool small = mp <= 32 && !a_lo && fmt != kBf16;
-    configure_tiles(small ? m : 0);
-    if (small)
-      for (int64_t p = p0; p < p1; ++p) column_pair_small(w, p, a_hi, m, mp, o);
-    else
-      for (int64_t p = p0; p < p1; ++p) column_pair(w, p, a_hi, a_lo, w_lo, m, mp, bbuf.data(), o);
-    release_tiles();
-    if (chunk) argmax->add(p0, *chunk);
+    int64_t run0 = -1, last = -2;  // the argmax chunk's run of consecutive pairs (none yet)
+    for (int64_t self = t0; self < t1; ++self)
+      for (int64_t p = queue.next(self); p >= 0; p = queue.next(self)) {
+        if (chunk && p != last + 1) {
+          if (run0 >= 0) argmax->add(run0, *chunk);
+          chunk->reset();
+          run0 = p;
+        }
+        last = p;
+        if (!amx)
+          column_pair_avx512(w, p, a_hi, a_lo, w_lo, m, bbuf.data(), outp, dtype);
+        else if (small)
+          column_pair_small(w, p, a_hi, m, mp, o);
+        else
+          column_pair(w, p, a_hi, a_lo, w_lo, m, mp, bbuf.data(), o);
+      }
+    if (amx) release_tiles();
+    if (chunk && run0 >= 0) argmax->add(run0, *chunk);
   });
   return out;
 }
