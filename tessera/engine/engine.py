@@ -24,7 +24,7 @@ from tessera.engine.model_runner import ModelRunner, prepare_step_kernels
 from tessera.engine.openmp_team import release_calling_thread_team
 from tessera.engine.output_processor import SequenceTextState, decode_logprobs
 from tessera.engine.request import Sequence, SequenceStatus
-from tessera.engine.sampler import Sampler
+from tessera.engine.sampler import Sampler, SamplerOutput
 from tessera.engine.scheduler import Scheduler
 from tessera.engine.swap import HostBlockPool, PreemptionPolicy, measure_swap_costs, num_host_kv_blocks
 from tessera.model.base import kv_window
@@ -322,7 +322,11 @@ class LLMEngine:
         # The lm_head's kernel finds each row's argmax on the way where a row samples greedily
         # (not for a speculative step: verification compares its own rows).
         wants_argmax = not spec_tokens and any(s.sampling_params.is_greedy for s in step.sample_seqs)
-        logits, argmax = self.runner.execute_argmax(step, wants_argmax)
+        # Where those ids are the whole sample, the kernel need not store the logits either (6 MiB
+        # of fp32 at 32 rows of a 49k vocabulary, a quarter of that lm_head's time).
+        ids_only = wants_argmax and mask_future is None and self.sampler.takes_argmax(
+            [s.sampling_params for s in step.sample_seqs], [s.output_token_ids for s in step.sample_seqs])
+        logits, argmax = self.runner.execute_argmax(step, wants_argmax, logits=not ids_only)
         token_mask = mask_future.result() if mask_future is not None else None
         self.scheduler.update_after_step(out)
         self._last_step = (len(scheduled), step.metadata.num_tokens)
@@ -336,16 +340,19 @@ class LLMEngine:
             self.spec.record_step(out.scheduled, time.perf_counter() - started)
             return outputs
         seqs = step.sample_seqs
-        sampled = self.sampler.sample(
-            logits,
-            [s.sampling_params for s in seqs],
-            [s.output_token_ids for s in seqs],
-            [s.prompt_token_ids for s in seqs],
-            [self._generators.get(s.seq_id) for s in seqs],
-            eos_token_ids=self.eos_token_ids,
-            token_mask=token_mask,
-            argmax=argmax,
-        )
+        if ids_only and argmax is not None:
+            sampled = SamplerOutput(token_ids=argmax.tolist(), logprobs=[None] * len(seqs))
+        else:
+            sampled = self.sampler.sample(
+                logits,
+                [s.sampling_params for s in seqs],
+                [s.output_token_ids for s in seqs],
+                [s.prompt_token_ids for s in seqs],
+                [self._generators.get(s.seq_id) for s in seqs],
+                eos_token_ids=self.eos_token_ids,
+                token_mask=token_mask,
+                argmax=argmax,
+            )
         outputs = self._process_samples(seqs, [[t] for t in sampled.token_ids], sampled.logprobs, time.monotonic())
         if self.spec is not None:
             self.spec.record_step(out.scheduled, time.perf_counter() - started)

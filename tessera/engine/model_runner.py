@@ -187,9 +187,12 @@ class ModelRunner:
         """Run the model on the step; return float32 logits of the sampling rows [S, vocab]."""
         return self.execute_argmax(step, argmax=False)[0]
 
-    def execute_argmax(self, step: StepInput, argmax: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def execute_argmax(self, step: StepInput, argmax: bool = True,
+                       logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """execute(step), and with `argmax` each sampling row's first maximum of its logits where
-        the lm_head's kernel finds it in its epilogue (None otherwise): what greedy rows sample."""
+        the lm_head's kernel finds it in its epilogue (None otherwise): what greedy rows sample.
+        `logits` False (with argmax): the caller samples nothing else, so where the kernel gives
+        the ids the logits are [S, 0], never stored; where it does not (ids None) they are whole."""
         if self.decode_graphs is not None:
             with torch.inference_mode():
                 logits = self.decode_graphs.run(step.input_ids, step.positions, step.metadata)
@@ -203,5 +206,5 @@ class ModelRunner:
             return hidden.new_empty((0, 0), dtype=torch.float32), None
         rows = hidden.index_select(0, step.sample_rows)
         if argmax:
-            return self.model.compute_logits_argmax(rows)
+            return self.model.compute_logits_argmax(rows, logits)
         return self.model.compute_logits(rows), None

@@ -297,6 +297,15 @@ class Sampler:
                 logprobs[i] = entry
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
 
+    @staticmethod
+    def takes_argmax(params: Sequence[SamplingParams], output_token_ids: Sequence[Sequence[int]]) -> bool:
+        """Whether sample() gives every row its logits' first maximum as given and no logprobs:
+        every row greedy, without penalties, logprobs or stop tokens held back for min_tokens (a
+        grammar mask is the caller's to rule out). Then the lm_head kernel's argmax is the step's
+        whole sample, and its logits need not be stored at all."""
+        return all(p.is_greedy and p.logprobs is None and not p.uses_penalties and len(out) >= p.min_tokens
+                   for p, out in zip(params, output_token_ids, strict=True))
+
     def _sample_random(
         self,
         logits: torch.Tensor,

@@ -125,14 +125,15 @@ class InvariantLinear(nn.Module):
             return kernels.ops().linear_bf16(x, self.packed, None, self.out_features, True, BF16_ARITHMETIC)
         return self.forward(x)
 
-    def forward_float_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_float_argmax(self, x: torch.Tensor, logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(forward_float(x), each row's first maximum of it, or None where no kernel finds it:
         float32 weights). The bf16 kernel finds it in its store epilogue, so greedy sampling
-        need not read the logits again."""
+        need not read the logits again; with `logits` False (the caller needs only the ids) it does
+        not store them either: the first is then [..., 0]."""
         if self.q8_codes is not None and self._from_codes(x):
-            return invariant.qgemm_logits(x, *self.q8_codes, None, invariant.Q8_0, self.out_features, True)
+            return invariant.qgemm_logits(x, *self.q8_codes, None, invariant.Q8_0, self.out_features, True, logits)
         if self.dtype == torch.bfloat16:
-            return kernels.ops().linear_bf16_argmax(x, self.packed, None, self.out_features, BF16_ARITHMETIC)
+            return kernels.ops().linear_bf16_argmax(x, self.packed, None, self.out_features, BF16_ARITHMETIC, logits)
         return self.forward(x), None
 
     def weight_bytes(self) -> int:

@@ -135,14 +135,15 @@ class CausalLM(nn.Module, ABC):
         cap = self.config.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
 
-    def compute_logits_argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def compute_logits_argmax(self, hidden: torch.Tensor, logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(compute_logits(hidden), each row's first maximum of those logits where the lm_head's
         kernel finds it on the way, else None): a bf16 InvariantLinear, or a quantized lm_head
         (QuantLinear.logits_argmax). Not with a logit softcap: tanh can round two different logits
-        to one float and move the first maximum."""
+        to one float and move the first maximum. `logits` False: the caller needs only the ids, so
+        where a kernel gives them the logits are not stored ([rows, 0]); with None ids they are."""
         argmax = getattr(self.lm_head, "forward_float_argmax", None)
         if argmax is not None and not self.config.final_logit_softcapping:
-            return argmax(hidden)
+            return argmax(hidden, logits)
         return self.compute_logits(hidden), None
 
     # ---- KV layout ------------------------------------------------------------------------

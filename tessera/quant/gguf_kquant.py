@@ -184,8 +184,8 @@ class GGUFBlockLinear(QuantLinear):
     def select_kernel(self, num_rows: int) -> str:
         return self.kernels[0]
 
-    def logits_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return self.tiles.logits_argmax(x, self.qtype, self.out_features) if self.invariant else None
+    def logits_argmax(self, x: torch.Tensor, logits: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.tiles.logits_argmax(x, self.qtype, self.out_features, logits) if self.invariant else None
 
     def run_kernel(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
         if kernel == "invariant" and self.invariant:

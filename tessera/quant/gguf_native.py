@@ -136,10 +136,10 @@ class Q8_0Linear(QuantLinear):
             return "native"
         return "dequant"
 
-    def logits_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def logits_argmax(self, x: torch.Tensor, logits: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
         if not self.invariant:
             return None
-        return invariant.qgemm_logits(x, self.tiles, self.tile_d, None, invariant.Q8_0, self.out_features, True)
+        return invariant.qgemm_logits(x, self.tiles, self.tile_d, None, invariant.Q8_0, self.out_features, True, logits)
 
     def run_kernel(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
         if kernel == "invariant" and self.invariant:

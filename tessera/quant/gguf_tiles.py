@@ -139,11 +139,11 @@ class KQTiles:
                                            n, x.shape[1])
         return y if y.dtype == dtype else y.to(dtype)
 
-    def logits_argmax(self, x: torch.Tensor, qtype: Q, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def logits_argmax(self, x: torch.Tensor, qtype: Q, n: int, logits: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """bf16 x [M, K] -> (matmul(x).float(), each row's first maximum of it), the ids found in the
-        kernel's store epilogue (an lm_head of these blocks)."""
+        kernel's store epilogue (an lm_head of these blocks); without `logits` the first is [M, 0]."""
         return torch.ops.tessera_qgemm.kqgemm_logits(x.contiguous(), self.codes, self.planes, self.sup, self.sub,
-                                                     KIND[qtype], n, x.shape[1], True)
+                                                     KIND[qtype], n, x.shape[1], True, logits)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.planes, self.sup, self.sub) if t is not None)

@@ -68,8 +68,9 @@ def _register_fakes() -> None:
     torch.library.register_fake("tessera_qgemm::qgemm")(
         lambda x, codes, scale, zero, fmt, n, k: x.new_empty(x.shape[0], n))
     torch.library.register_fake("tessera_qgemm::qgemm_logits")(
-        lambda x, codes, scale, zero, fmt, n, k, argmax: (x.new_empty(x.shape[0], n, dtype=torch.float32),
-                                                          x.new_empty(x.shape[0] if argmax else 0, dtype=torch.long)))
+        lambda x, codes, scale, zero, fmt, n, k, argmax, logits=True: (
+            x.new_empty(x.shape[0], n if logits else 0, dtype=torch.float32),
+            x.new_empty(x.shape[0] if argmax else 0, dtype=torch.long)))
     torch.library.register_fake("tessera_qgemm::w8a8")(
         lambda qx, codes, n: qx.new_empty(qx.shape[0], n, dtype=torch.int32))
 
@@ -163,10 +164,12 @@ def qgemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch
 
 
 def qgemm_logits(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, fmt: int,
-                 n: int, argmax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 n: int, argmax: bool, logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """bf16 x [M, K] @ W.T as float32 logits holding the bf16-rounded values (qgemm(x, ...).float()
-    in one pass), and with argmax each row's first maximum of them (else None). AMX only."""
-    logits, ids = torch.ops.tessera_qgemm.qgemm_logits(x.contiguous(), codes, scale, zero, fmt, n, x.shape[1], argmax)
+    in one pass), and with argmax each row's first maximum of them (else None). AMX only. With
+    `logits` False (argmax True) the logits are not stored: [M, 0], the ids alone."""
+    logits, ids = torch.ops.tessera_qgemm.qgemm_logits(x.contiguous(), codes, scale, zero, fmt, n, x.shape[1], argmax,
+                                                       logits)
     return logits, ids if argmax else None
 
 

@@ -65,15 +65,17 @@ class QuantLinear(nn.Module, ABC):
             y = y + bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def forward_float_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_float_argmax(self, x: torch.Tensor, logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(forward(x).float(), each row's first maximum of it, or None): an lm_head's logits. A layer
         whose kernel finds the ids in its store epilogue (`logits_argmax`) gives them, so greedy
-        sampling need not read the [rows, vocab] logits again; the others None."""
-        got = self.logits_argmax(x) if x.dim() == 2 and x.dtype == torch.bfloat16 else None
+        sampling need not read the [rows, vocab] logits again; the others None. `logits` False: the
+        caller needs only the ids, so where the kernel gives them the logits are not stored ([M, 0])."""
+        got = self.logits_argmax(x, logits) if x.dim() == 2 and x.dtype == torch.bfloat16 else None
         return got if got is not None else (self(x).float(), None)
 
-    def logits_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """bf16 x [M, K] -> (forward(x).float(), its rows' first maxima) in one kernel, or None."""
+    def logits_argmax(self, x: torch.Tensor, logits: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """bf16 x [M, K] -> (forward(x).float(), its rows' first maxima) in one kernel, or None; without
+        `logits` the first is [M, 0]."""
         return None
 
     def extra_repr(self) -> str:

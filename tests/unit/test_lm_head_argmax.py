@@ -55,6 +55,19 @@ def test_ties_go_to_the_first_column(arithmetic, rows, threads, monkeypatch):
     assert torch.equal(ids, logits.argmax(-1)) and bool((ids < rows).all())
 
 
+@pytest.mark.parametrize("arithmetic", ARITHMETICS)
+@pytest.mark.parametrize("m", [1, 32, 97])
+def test_ids_without_logits_are_the_ids_with_them(arithmetic, m, monkeypatch):
+    # logits=False: nothing stored ([M, 0]), the same first maxima (ties included: three copies).
+    monkeypatch.setattr(linear, "BF16_ARITHMETIC", arithmetic)
+    w = torch.randn(700, 96, generator=torch.Generator().manual_seed(m)).bfloat16()
+    lin = linear.InvariantLinear(torch.cat([w, w, w]))
+    x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m + 1)).bfloat16()
+    logits, ids = lin.forward_float_argmax(x)
+    none, alone = lin.forward_float_argmax(x, logits=False)
+    assert none.shape == (m, 0) and torch.equal(alone, ids) and torch.equal(ids, logits.argmax(-1))
+
+
 def test_float32_weights_give_no_kernel_argmax():
     lin = linear.InvariantLinear(torch.randn(100, 32))
     logits, ids = lin.forward_float_argmax(torch.randn(3, 32))
@@ -79,6 +92,11 @@ def test_the_sampler_takes_the_kernel_ids_only_for_unchanged_logits():
     # min_tokens holding back EOS (id 1) changes row 0's logits: both rows recompute.
     held = SamplingParams(temperature=0.0, min_tokens=2)
     assert _sample(logits, [held, greedy], marker, eos_token_ids=[1]) == [2, 0]
+    # takes_argmax says when the kernel's ids are the whole sample (the engine then stores no logits).
+    assert Sampler.takes_argmax([greedy, greedy], [[], []])
+    assert not Sampler.takes_argmax([penalized, greedy], [[], []])
+    assert not Sampler.takes_argmax([held, greedy], [[], []]) and Sampler.takes_argmax([held], [[5, 6]])
+    assert not Sampler.takes_argmax([SamplingParams(temperature=0.0, logprobs=0)], [[]])
     # A random row next to greedy ones: the greedy row takes the kernel's id.
     hot = SamplingParams(temperature=1.0, top_k=1)
     assert _sample(logits, [greedy, hot], marker) == [2, 0]

@@ -76,7 +76,7 @@ def test_native_stack_forward_equals_modules_on_a_mixed_step(tiny_model_factory)
     captured = []
     execute = runner.execute_argmax  # what the engine's step calls
 
-    def both(step, argmax=True):
+    def both(step, argmax=True, logits=True):
         stack = model.native_stack
         hidden = model(step.input_ids, step.positions, runner.kv_caches, step.metadata)
         model.native_stack = None
@@ -85,7 +85,7 @@ def test_native_stack_forward_equals_modules_on_a_mixed_step(tiny_model_factory)
         finally:
             model.native_stack = stack
         captured.append((step.metadata.num_decode_tokens, len(step.metadata.prefills), hidden, reference))
-        return execute(step, argmax)
+        return execute(step, argmax, logits)
 
     runner.execute_argmax = both
     for i, prompt in enumerate(PROMPTS):

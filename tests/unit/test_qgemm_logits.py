@@ -144,12 +144,77 @@ def test_gguf_mode_greedy_ids_from_the_lm_heads_kernel(tiny_model_factory, tmp_p
     calls = []
     real = Q8_0Linear.logits_argmax
 
-    def counted(self, x):
-        calls.append(x.shape[0])
-        return real(self, x)
+    def counted(self, x, logits=True):
+        calls.append(logits)
+        return real(self, x, logits)
 
     monkeypatch.setattr(Q8_0Linear, "logits_argmax", counted)
     fused = _generate(engine, "a")
-    assert calls  # the kernel's ids were used
-    monkeypatch.setattr(Q8_0Linear, "logits_argmax", lambda self, x: None)
+    assert calls and all(calls)  # the kernel's ids were used; logprobs need the logits too
+    monkeypatch.setattr(Q8_0Linear, "logits_argmax", lambda self, x, logits=True: None)
     assert _generate(engine, "b") == fused
+
+
+def test_greedy_steps_without_logprobs_take_the_ids_alone(tiny_model_factory, tmp_path, monkeypatch):
+    """Greedy requests that ask for no logprobs: the lm_head's kernel stores no logits (logits=False)
+    and the tokens are those of the sampler's own argmax over the whole logits (the kernel off)."""
+    from tessera.config import EngineConfig
+    from tessera.engine.engine import LLMEngine
+    from tessera.quant.gguf_native import Q8_0Linear
+    from tessera.sampling import SamplingParams
+    from tests.tiny_model import write_gguf_from_hf_dir
+    from tests.unit.test_gguf_codes import PROMPTS
+
+    path = write_gguf_from_hf_dir(tiny_model_factory(tie_word_embeddings=True), tmp_path / "t.gguf", qtype=Q.Q4_1,
+                                  qtypes={"model.embed_tokens.weight": Q.Q8_0})
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", quantization="gguf", max_model_len=256,
+                                    enable_prefix_caching=False))
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def generate(tag: str, params: list[SamplingParams]) -> dict:
+        for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=False)):
+            engine.add_request(f"{tag}{i}", prompt, p)
+        out = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    out[o.request_id.removeprefix(tag)] = list(o.outputs[0].token_ids)
+        return out
+
+    calls = []
+    real = Q8_0Linear.logits_argmax
+
+    def counted(self, x, logits=True):
+        got = real(self, x, logits)
+        calls.append((logits, tuple(got[0].shape)))
+        return got
+
+    monkeypatch.setattr(Q8_0Linear, "logits_argmax", counted)
+    ids_only = generate("a", [plain] * len(PROMPTS))
+    assert calls and all(not logits and shape[1] == 0 for logits, shape in calls)
+    # One request with logprobs in the batch: its steps store the logits again.
+    calls.clear()
+    mixed = generate("m", [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)]
+                     + [plain] * (len(PROMPTS) - 1))
+    assert any(logits for logits, _ in calls)
+    monkeypatch.setattr(Q8_0Linear, "logits_argmax", lambda self, x, logits=True: None)
+    assert generate("b", [plain] * len(PROMPTS)) == ids_only == mixed
+
+
+@pytest.mark.parametrize("m", [1, 17, 40])
+def test_ids_without_logits_are_the_ids_with_them(m):
+    """logits=False stores nothing ([M, 0]) and finds the same first maxima, for Q8_0 tiles (ties
+    across the column pairs the threads share out) and for K-quant blocks."""
+    raw = random_blocks(Q.Q8_0, 96, 64, seed=m)
+    codes, d = decode_q8_0(raw, 96)
+    tiles, blocks = invariant.pack_tiles(codes.repeat(3, 1)), invariant.pack_blocks(d.repeat(3, 1).half())
+    x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m)).bfloat16()
+    logits, ids = invariant.qgemm_logits(x, tiles, blocks, None, invariant.Q8_0, 288, True)
+    none, alone = invariant.qgemm_logits(x, tiles, blocks, None, invariant.Q8_0, 288, True, logits=False)
+    assert none.shape == (m, 0) and torch.equal(alone, ids) and torch.equal(ids, logits.argmax(-1))
+    layer = GGUFBlockLinear(torch.from_numpy(random_blocks(Q.Q6_K, 96, 256, seed=m)), Q.Q6_K)
+    xk = torch.randn(m, 256, generator=torch.Generator().manual_seed(m + 1)).bfloat16()
+    none, alone = layer.forward_float_argmax(xk, logits=False)
+    assert none.shape == (m, 0) and torch.equal(alone, layer(xk).float().argmax(-1))
+    with pytest.raises(RuntimeError, match="logits=False needs argmax"):
+        invariant.qgemm_logits(x, tiles, blocks, None, invariant.Q8_0, 288, False, logits=False)

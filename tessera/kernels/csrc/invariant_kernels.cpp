@@ -113,9 +113,9 @@ __attribute__((noinline)) void dp_tile(const at::BFloat16* a, int64_t lda, const
     for (int c = 0; c < C && c * 16 < cols; ++c) {
       const int n = static_cast<int>(std::min<int64_t>(16, cols - c * 16));
       _mm512_store_ps(row, acc[r][c]);
-      if (out_f32)
-        store_row_bf16_as_f32(row, bias ? bias + c * 16 : nullptr, out_f32 + r * ldo + c * 16, n, chunk, row0 + r,
-                              col0 + c * 16);
+      if (out_f32 || chunk)  // logits (out_f32 null: the ids only)
+        store_row_bf16_as_f32(row, bias ? bias + c * 16 : nullptr, out_f32 ? out_f32 + r * ldo + c * 16 : nullptr, n,
+                              chunk, row0 + r, col0 + c * 16);
       else
         store_row_bf16(row, bias ? bias + c * 16 : nullptr, out + r * ldo + c * 16, n);
     }
@@ -232,7 +232,7 @@ void avx512_gemm(const at::BFloat16* a, int64_t lda, const at::BFloat16* b, cons
 }
 
 at::Tensor avx512_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                         int64_t n, bool f32_out, ArgmaxCollector* argmax) {
+                         int64_t n, bool f32_out, ArgmaxCollector* argmax, bool store = true) {
   const int64_t np = packed.size(0) * 16, kp = packed.size(1) * 2;
   auto rows = x.reshape({-1, x.size(-1)});
   const int64_t m = rows.size(0), k = rows.size(1);
@@ -252,15 +252,16 @@ at::Tensor avx512_linear(const at::Tensor& x, const at::Tensor& packed, const c1
     a_ptr = padded.data_ptr<at::BFloat16>();
     lda = 2 * pairs;
   }
-  auto out = at::empty({m, n}, x.options().dtype(f32_out ? at::kFloat : at::kBFloat16));
+  const int64_t n_out = store ? n : 0;
+  auto out = at::empty({m, n_out}, x.options().dtype(f32_out ? at::kFloat : at::kBFloat16));
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) bias_f = bias->to(at::kFloat).contiguous();
   if (m > 0)
     avx512_gemm(a_ptr, lda, packed.data_ptr<at::BFloat16>(), bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
-                f32_out ? nullptr : out.data_ptr<at::BFloat16>(), f32_out ? out.data_ptr<float>() : nullptr, m, n,
-                pairs, kp, argmax);
+                f32_out ? nullptr : out.data_ptr<at::BFloat16>(), f32_out && store ? out.data_ptr<float>() : nullptr,
+                m, n, pairs, kp, argmax);
   auto shape = x.sizes().vec();
-  shape.back() = n;
+  shape.back() = n_out;
   return out.view(shape);
 }
 
@@ -406,9 +407,10 @@ void amx_gemm(
           if (col0 >= n) continue;
           const int cols = static_cast<int>(std::min<int64_t>(16, n - col0));
           for (int r = 0; r < 16 && row0 + r < m; ++r) {
-            if (out_f32)
-              store_row_bf16_as_f32(c[q] + r * 16, bias ? bias + col0 : nullptr, out_f32 + (row0 + r) * n + col0, cols,
-                                    chunk.get(), row0 + r, col0);
+            if (out_f32 || chunk)  // logits (out_f32 null: the ids only)
+              store_row_bf16_as_f32(c[q] + r * 16, bias ? bias + col0 : nullptr,
+                                    out_f32 ? out_f32 + (row0 + r) * n + col0 : nullptr, cols, chunk.get(), row0 + r,
+                                    col0);
             else
               store_row_bf16(c[q] + r * 16, bias ? bias + col0 : nullptr, out + (row0 + r) * n + col0, cols);
           }
@@ -425,16 +427,18 @@ bool cpu_has_amx_bf16() {
   return has;
 }
 
+// store false (with argmax): the ids only, the logits [M, 0].
 at::Tensor linear_bf16_impl(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                             int64_t n, bool f32_out, int64_t arithmetic, ArgmaxCollector* argmax,
-                            bool gated = false) {
+                            bool gated = false, bool store = true) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "linear_bf16: bf16 only");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2, "linear_bf16: bad packed weight");
   // arithmetic: -1 the machine's (AMX where it has it), 0 AVX-512 BF16, 1 AMX (an error without it).
   const bool amx = arithmetic < 0 ? cpu_has_amx_bf16() : arithmetic == 1;
   TORCH_CHECK(!amx || cpu_has_amx_bf16(), "linear_bf16: AMX asked for, and this CPU or the OS does not give it");
   TORCH_CHECK(amx || __builtin_cpu_supports("avx512bf16"), "linear_bf16: this CPU has neither AMX nor AVX-512 BF16");
-  if (!amx) return avx512_linear(x, packed, bias, n, f32_out, argmax);
+  TORCH_CHECK(store || argmax, "linear_bf16: nothing to return without the logits or their argmax");
+  if (!amx) return avx512_linear(x, packed, bias, n, f32_out, argmax, store);
   const int64_t np = packed.size(0) * 16, kp = packed.size(1) * 2;
   auto rows = x.reshape({-1, x.size(-1)});
   const int64_t m = rows.size(0), k = rows.size(1);
@@ -460,13 +464,13 @@ at::Tensor linear_bf16_impl(const at::Tensor& x, const at::Tensor& packed, const
     }
     a_ptr = scratch.data();
   }
-  const int64_t n_out = gated ? n / 2 : n;
+  const int64_t n_out = !store ? 0 : gated ? n / 2 : n;
   auto out = at::empty({m, n_out}, x.options().dtype(f32_out ? at::kFloat : at::kBFloat16));
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) bias_f = bias->to(at::kFloat).contiguous();
   amx_gemm(a_ptr, packed.data_ptr<at::BFloat16>(), bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
-           f32_out ? nullptr : out.data_ptr<at::BFloat16>(), f32_out ? out.data_ptr<float>() : nullptr, m, mp, n, np,
-           kp, argmax, gated);
+           f32_out ? nullptr : out.data_ptr<at::BFloat16>(), f32_out && store ? out.data_ptr<float>() : nullptr, m, mp,
+           n, np, kp, argmax, gated);
   auto shape = x.sizes().vec();
   shape.back() = n_out;
   return out.view(shape);
@@ -491,18 +495,19 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10:
   return linear_bf16_impl(x, packed, bias, n, f32_out, arithmetic, nullptr);
 }
 
-// (fp32 logits as linear_bf16(..., f32_out=True) stores them, each row's first maximum).
+// (fp32 logits as linear_bf16(..., f32_out=True) stores them, each row's first maximum); with
+// logits false the logits are not stored ([..., 0]): the ids of a step that reads nothing else.
 std::tuple<at::Tensor, at::Tensor> linear_bf16_argmax(const at::Tensor& x, const at::Tensor& packed,
                                                       const c10::optional<at::Tensor>& bias, int64_t n,
-                                                      int64_t arithmetic) {
+                                                      int64_t arithmetic, bool logits) {
   const int64_t m = x.numel() / std::max<int64_t>(1, x.size(-1));
   ArgmaxCollector argmax(m);
-  auto logits = linear_bf16_impl(x, packed, bias, n, true, arithmetic, &argmax);
+  auto out = linear_bf16_impl(x, packed, bias, n, true, arithmetic, &argmax, false, logits);
   auto shape = x.sizes().vec();
   shape.pop_back();
   auto ids = at::empty(shape, x.options().dtype(at::kLong));
   if (m > 0) argmax.finish(ids.data_ptr<int64_t>());
-  return {logits, ids};
+  return {out, ids};
 }
 
 #pragma GCC pop_options
@@ -558,7 +563,8 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& wt, const c10::opti
 TORCH_LIBRARY(tessera_inv, m) {
   m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias, int n, bool f32_out=False, int arithmetic=-1) -> Tensor");
   m.def("linear_f32(Tensor x, Tensor wt, Tensor? bias, int n) -> Tensor");
-  m.def("linear_bf16_argmax(Tensor x, Tensor packed, Tensor? bias, int n, int arithmetic=-1) -> (Tensor, Tensor)");
+  m.def("linear_bf16_argmax(Tensor x, Tensor packed, Tensor? bias, int n, int arithmetic=-1, bool logits=True) "
+        "-> (Tensor, Tensor)");
   m.def("linear_bf16_silu(Tensor x, Tensor packed, int n, int arithmetic=-1) -> Tensor");
 }
 

@@ -389,8 +389,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void stor
       _mm512_store_ps(scaled, _mm512_mul_ps(_mm512_loadu_ps(row), _mm512_loadu_ps(scale)));
       row = scaled;
     }
-    store_row_bf16_as_f32(row, nullptr, static_cast<float*>(out.ptr) + (m0 + r) * w.n + col0, cols, out.chunk,
-                          m0 + r, col0);
+    store_row_bf16_as_f32(row, nullptr, out.ptr ? static_cast<float*>(out.ptr) + (m0 + r) * w.n + col0 : nullptr,
+                          cols, out.chunk, m0 + r, col0);
   }
 }
 
@@ -1009,9 +1009,10 @@ class PairQueue {
 
 // Every column pair of the weight for every activation row of x (the caller checked w). With
 // logits (bf16 x on AMX only): fp32 out holding the bf16-rounded values, and with argmax each
-// row's first maximum of them (the chunks are runs of column pairs, in order).
+// row's first maximum of them (the chunks are runs of column pairs, in order); store false (with
+// argmax): the maxima only, out [M, 0].
 at::Tensor run(const at::Tensor& x, const Weight& w, int64_t nbk, bool logits = false,
-               ArgmaxCollector* argmax = nullptr) {
+               ArgmaxCollector* argmax = nullptr, bool store = true) {
   const int64_t n = w.n, kp = w.kp, kb = kp / 32, fmt = w.fmt, k = x.size(1), m = x.size(0);
   const int64_t mp = std::max<int64_t>(16, (m + 15) / 16 * 16);
   // The A operands, K padded with zeros, reused across calls (no per-call page faults). The rows
@@ -1032,12 +1033,13 @@ at::Tensor run(const at::Tensor& x, const Weight& w, int64_t nbk, bool logits = 
     a_hi = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   else
     pack_a(x, m, k, kp, abuf.data(), a_lo);
-  auto out = at::empty({m, n}, x.options().dtype(logits ? at::kFloat : x.scalar_type()));
-  void* outp = out.data_ptr();
+  auto out = at::empty({m, store ? n : 0}, x.options().dtype(logits ? at::kFloat : x.scalar_type()));
+  void* outp = store ? out.data_ptr() : nullptr;
   const at::ScalarType dtype = x.scalar_type();
   // float32 activations also take the weight's remainder where W is not exact in bf16.
   const bool w_lo = split && (fmt == kQ8_0 || fmt == kInt4 || fmt == kKQ || (fmt == kBf16 && w.zero));
   TORCH_CHECK(!logits || (amx && !split), "tessera_qgemm: logits from bf16 activations on AMX only");
+  TORCH_CHECK(store || argmax, "tessera_qgemm: nothing to return without the logits or their argmax");
   if (!amx && fmt == kInt4) {
     int4_avx512(w, nbk, a_hi, a_lo, m, outp, dtype);
     return out;
@@ -1135,16 +1137,20 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
 // (as linear_bf16(..., f32_out=True) stores them: qgemm's bf16 output, widened), and with argmax
 // each row's first maximum of them, found in the store epilogue (as linear_bf16_argmax); ids is
 // empty without. bf16 x: the lm_head of a GGUF (Q8_0 blocks, in the bf16 engine or in gguf mode).
-// Without AMX the other arithmetic's output is widened and torch.argmax finds the ids.
-std::tuple<at::Tensor, at::Tensor> logits_of(const at::Tensor& x, const Weight& w, int64_t nbk, bool argmax) {
+// Without AMX the other arithmetic's output is widened and torch.argmax finds the ids. With logits
+// false (argmax true) the logits are [M, 0]: a greedy step that reads nothing else.
+std::tuple<at::Tensor, at::Tensor> logits_of(const at::Tensor& x, const Weight& w, int64_t nbk, bool argmax,
+                                             bool logits_too) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tessera_qgemm: logits from bf16 x only");
+  TORCH_CHECK(argmax || logits_too, "tessera_qgemm: logits=False needs argmax=True");
   const int64_t m = x.size(0);
   if (!use_amx()) {  // the AVX-512 arithmetic (no AMX, or a test's set_arithmetic(0)): its output widened
     at::Tensor logits = run(x, w, nbk).to(at::kFloat);
-    return {logits, argmax ? logits.argmax(-1) : at::empty({0}, x.options().dtype(at::kLong))};
+    at::Tensor ids = argmax ? logits.argmax(-1) : at::empty({0}, x.options().dtype(at::kLong));
+    return {logits_too ? logits : logits.narrow(1, 0, 0), ids};
   }
   ArgmaxCollector collector(m);
-  at::Tensor logits = run(x, w, nbk, true, argmax ? &collector : nullptr);
+  at::Tensor logits = run(x, w, nbk, true, argmax ? &collector : nullptr, logits_too);
   at::Tensor ids = at::empty({argmax ? m : 0}, x.options().dtype(at::kLong));
   if (argmax && m > 0) collector.finish(ids.data_ptr<int64_t>());
   return {logits, ids};
@@ -1152,8 +1158,8 @@ std::tuple<at::Tensor, at::Tensor> logits_of(const at::Tensor& x, const Weight& 
 
 std::tuple<at::Tensor, at::Tensor> qgemm_logits(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                                 const c10::optional<at::Tensor>& zero, int64_t fmt, int64_t n,
-                                                int64_t k, bool argmax) {
-  return logits_of(x, checked_weight(x, codes, scale, zero, fmt, n, k), codes.size(0), argmax);
+                                                int64_t k, bool argmax, bool logits) {
+  return logits_of(x, checked_weight(x, codes, scale, zero, fmt, n, k), codes.size(0), argmax, logits);
 }
 
 // GGUF K-quant and Q5 weights (the KQ format above): kind 0 Q5_0, 1 Q5_1, 2 Q4_K / Q5_K, 3 Q6_K.
@@ -1194,8 +1200,8 @@ at::Tensor kqgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
 // qgemm_logits for the KQ format (an lm_head of Q6_K or Q4_K blocks, as many K-quant files have).
 std::tuple<at::Tensor, at::Tensor> kqgemm_logits(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& planes,
                                                  const at::Tensor& sup, const c10::optional<at::Tensor>& sub,
-                                                 int64_t kind, int64_t n, int64_t k, bool argmax) {
-  return logits_of(x, checked_kq_weight(x, codes, planes, sup, sub, kind, n, k), codes.size(0), argmax);
+                                                 int64_t kind, int64_t n, int64_t k, bool argmax, bool logits) {
+  return logits_of(x, checked_kq_weight(x, codes, planes, sup, sub, kind, n, k), codes.size(0), argmax, logits);
 }
 
 // ---- W8A8: int8 x int8 on AMX (TDPBSSD), exact int32 sums -----------------------------------
@@ -1258,12 +1264,12 @@ at::Tensor w8a8(const at::Tensor& qx, const at::Tensor& codes, int64_t n) {
 
 TORCH_LIBRARY(tessera_qgemm, lib) {
   lib.def("qgemm(Tensor x, Tensor codes, Tensor scale, Tensor? zero, int fmt, int n, int k) -> Tensor");
-  lib.def("qgemm_logits(Tensor x, Tensor codes, Tensor scale, Tensor? zero, int fmt, int n, int k, bool argmax) "
-          "-> (Tensor, Tensor)");
+  lib.def("qgemm_logits(Tensor x, Tensor codes, Tensor scale, Tensor? zero, int fmt, int n, int k, bool argmax, "
+          "bool logits=True) -> (Tensor, Tensor)");
   lib.def("w8a8(Tensor qx, Tensor codes, int n) -> Tensor");
   lib.def("kqgemm(Tensor x, Tensor codes, Tensor planes, Tensor sup, Tensor? sub, int kind, int n, int k) -> Tensor");
   lib.def("kqgemm_logits(Tensor x, Tensor codes, Tensor planes, Tensor sup, Tensor? sub, int kind, int n, int k, "
-          "bool argmax) -> (Tensor, Tensor)");
+          "bool argmax, bool logits=True) -> (Tensor, Tensor)");
   lib.def("set_arithmetic(int arithmetic) -> ()", &set_arithmetic);  // no tensor: a catch-all kernel
 }
 
