@@ -26,9 +26,11 @@ import torch
 from tessera.native import load_extension
 
 INT8, Q8_0, INT4, BF16 = 0, 1, 2, 3
-# argmax_rows.h: the greedy argmax of the store epilogue, shared with the bf16 kernels' library
+# argmax_rows.h (the greedy argmax of the store epilogue) and silu_rows.h (the gated epilogue's
+# silu): shared with the bf16 kernels' library
 _SOURCES = (Path(__file__).parent / "csrc" / "invariant_qgemm.cpp",
-            Path(__file__).parents[1] / "kernels" / "csrc" / "argmax_rows.h")
+            Path(__file__).parents[1] / "kernels" / "csrc" / "argmax_rows.h",
+            Path(__file__).parents[1] / "kernels" / "csrc" / "silu_rows.h")
 
 
 def cpu_has_amx() -> bool:
@@ -71,6 +73,8 @@ def _register_fakes() -> None:
         lambda x, codes, scale, zero, fmt, n, k, argmax, logits=True: (
             x.new_empty(x.shape[0], n if logits else 0, dtype=torch.float32),
             x.new_empty(x.shape[0] if argmax else 0, dtype=torch.long)))
+    torch.library.register_fake("tessera_qgemm::qgemm_silu")(
+        lambda x, codes, scale, zero, fmt, n, k: x.new_empty(x.shape[0], n // 2))
     torch.library.register_fake("tessera_qgemm::w8a8")(
         lambda qx, codes, n: qx.new_empty(qx.shape[0], n, dtype=torch.int32))
 

@@ -1,7 +1,8 @@
 // A llama-family model's decoder stack for one step in one call: per layer add_rms_norm, the
 // fused qkv linear, rotary_kv (rotary on q and k, then the cache write), paged_attention, the o
 // linear, add_rms_norm, gate_up, silu_mul (in gate_up's epilogue for a bf16 weight:
-// linear_bf16_silu) and down; then the final norm.
+// linear_bf16_silu; for quantized tiles and GGUF blocks on bf16 x tessera_qgemm's qgemm_silu /
+// kqgemm_silu) and down; then the final norm.
 //
 // Why: the Python module path makes about 25 calls into torch per layer (module calls, views,
 // op dispatch with schema parsing); at a batch-1 decode step of a 30-layer model that is several
@@ -50,6 +51,24 @@ at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   static const auto kqgemm = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                            const OptTensor&, int64_t, int64_t, int64_t)>("tessera_qgemm::kqgemm");
   return kqgemm.call(x, codes, planes, sup, sub, fmt, n, x.size(1));
+}
+
+// silu(gate) * up of a fused gate_up of kind 2, 3 or 4 (its blocks) on bf16 x: the quantized
+// kernel's gated call (tessera_qgemm::qgemm_silu / kqgemm_silu), silu_mul of its output bit for bit,
+// with the silu in the store epilogue at decode sizes on AMX.
+at::Tensor gated_quant_linear(const at::Tensor& x, const c10::List<OptTensor>& t, int64_t i, int64_t kind,
+                              int64_t fmt, int64_t n) {
+  const auto get = [&](int64_t j) { return t.get(i + j); };
+  if (kind == 2) {
+    static const auto qgemm_silu = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                 const OptTensor&, int64_t, int64_t, int64_t)>("tessera_qgemm::qgemm_silu");
+    return qgemm_silu.call(x, *get(0), *get(1), get(2), fmt, n, x.size(1));
+  }
+  static const auto kqgemm_silu = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                const at::Tensor&, const OptTensor&, int64_t, int64_t, int64_t)>(
+      "tessera_qgemm::kqgemm_silu");
+  if (kind == 4) return kqgemm_silu.call(x, *get(1), *get(2), *get(3), OptTensor(), fmt, n, x.size(1));
+  return kqgemm_silu.call(x, *get(0), *get(1), *get(2), get(3), fmt, n, x.size(1));
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const c10::List<OptTensor>& t, int64_t i, int64_t kind, int64_t fmt,
@@ -133,12 +152,17 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
                                            block_size, scale, windows[l], none, none, -1);
     const at::Tensor o = linear(l, 1, attn, none, hidden_size);
     std::tie(normed, residual) = norm.call(o, OptTensor(residual), w[1], eps);
-    // gate_up and silu_mul in one call where the bf16 weight serves it (the silu in the GEMM's store
-    // epilogue: the same bits, no [T, 2 * inter] output); the blocks and quantized kinds in turn
-    const int64_t gi = 4 * l + 2;
-    const at::Tensor act = takes_bf16(gi, normed, none)
-                               ? bf16_linear_silu.call(normed, *lin_tensors.get(4 * gi), 2 * inter, -1)
-                               : silu_mul.call(linear(l, 2, normed, none, 2 * inter));
+    // gate_up and silu_mul in one call (the silu in the GEMM's store epilogue: the same bits, no
+    // [T, 2 * inter] output) where the bf16 weight serves it, and where quantized tiles or GGUF
+    // blocks do on bf16 x; float32 linears in turn
+    const int64_t gi = 4 * l + 2, gkind = lin_meta[2 * gi];
+    at::Tensor act;
+    if (takes_bf16(gi, normed, none))
+      act = bf16_linear_silu.call(normed, *lin_tensors.get(4 * gi), 2 * inter, -1);
+    else if (bf16 && inter % 16 == 0 && gkind >= 2)
+      act = gated_quant_linear(normed, lin_tensors, 4 * gi, gkind, lin_meta[2 * gi + 1], 2 * inter);
+    else
+      act = silu_mul.call(linear(l, 2, normed, none, 2 * inter));
     x = linear(l, 3, act, none, hidden_size);
   }
   return std::get<0>(norm.call(x, layers ? OptTensor(residual) : none, final_norm, eps));

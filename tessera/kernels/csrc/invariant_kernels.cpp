@@ -65,18 +65,6 @@ inline void store_row_bf16(
   _mm256_mask_storeu_epi16(reinterpret_cast<void*>(out), mask, reinterpret_cast<__m256i&>(h));
 }
 
-// 16 columns of silu(gate) * up from the fp32 C rows of gate and up: each rounded to bf16 first,
-// as the bf16 gate_up output silu_mul reads, then silu_mul's arithmetic (silu_rows.h).
-inline void store_silu_row(const float* gate, const float* up, at::BFloat16* out) {
-  const auto bf16_round = [](__m512 v) {
-    const __m256bh h = _mm512_cvtneps_pbh(v);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(h)), 16));
-  };
-  const __m512 act = bf16_round(silu16(bf16_round(_mm512_loadu_ps(gate))));
-  const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(act, bf16_round(_mm512_loadu_ps(up))));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), reinterpret_cast<const __m256i&>(h));
-}
-
 // One register tile of the AVX-512 kernel: R rows x C 16-column blocks, every output its own
 // VDPBF16PS chain over the K pairs 0, 1, ... in order, from zero. Nothing a lane computes depends
 // on R, C or where the tile sits, so a row's result is the same in any batch; the tile shape only

@@ -1,7 +1,8 @@
 // silu(gate) as the fused ops compute it, shared by silu_mul (fused_ops.cpp) and the gate_up
-// linear that applies it in its store epilogue (invariant_kernels.cpp: linear_bf16_silu), so the
-// two give the same bits: exp by a fixed polynomial, then g / (1 + exp(-g)) in fp32. Callers round
-// the result to their dtype and multiply by up.
+// linears that apply it in their store epilogue (invariant_kernels.cpp: linear_bf16_silu;
+// invariant_qgemm.cpp: qgemm_silu, kqgemm_silu), so they give the same bits: exp by a fixed
+// polynomial, then g / (1 + exp(-g)) in fp32. Callers round the result to their dtype and multiply
+// by up (store_silu_row for the epilogues).
 #pragma once
 
 #include <immintrin.h>
@@ -29,6 +30,21 @@ __attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
 __attribute__((target("avx512f"))) inline __m512 silu16(__m512 g) {
   const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
   return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+// 16 floats rounded to bf16 (nearest even) and widened back.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline __m512 bf16_round16(__m512 v) {
+  const __m256bh h = _mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(h)), 16));
+}
+
+// 16 columns of silu(gate) * up from fp32 rows of gate and up, into bf16 `out`: each rounded to
+// bf16 first, as the bf16 gate_up output silu_mul reads, then silu_mul's arithmetic.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void store_silu_row(const float* gate,
+                                                                                          const float* up, void* out) {
+  const __m512 act = bf16_round16(silu16(bf16_round16(_mm512_loadu_ps(gate))));
+  const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(act, bf16_round16(_mm512_loadu_ps(up))));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), reinterpret_cast<const __m256i&>(h));
 }
 
 }  // namespace

@@ -54,6 +54,7 @@
 #include <vector>
 
 #include "argmax_rows.h"
+#include "silu_rows.h"
 
 namespace {
 
@@ -443,9 +444,11 @@ constexpr int64_t kAhead = 2;
 // 9.9; 32 rows 4%; 16 to 48 tiles ahead all alike).
 constexpr int64_t kAheadL2 = kAhead + 24;
 
-__attribute__((target("avx512f"))) inline void prefetch_pair_ahead(const Weight& w, int64_t nb0, int64_t ks) {
+// Blocks nb0 and nb1 (nb0 + 1 for a column pair; a gate block and its up block for a gated one).
+__attribute__((target("avx512f"))) inline void prefetch_pair_ahead(const Weight& w, int64_t nb0, int64_t nb1,
+                                                                   int64_t ks) {
   const int64_t kb = w.kp / 32, last = (w.np / 16) * kb - 1;
-  const int64_t t0 = std::min(nb0 * kb + ks + kAhead, last), t1 = std::min(t0 + kb, last);
+  const int64_t t0 = std::min(nb0 * kb + ks + kAhead, last), t1 = std::min(nb1 * kb + ks + kAhead, last);
   const int64_t u0 = std::min(t0 + kAheadL2 - kAhead, last), u1 = std::min(t1 + kAheadL2 - kAhead, last);
   const bool q8 = w.fmt == kInt8 || w.fmt == kQ8_0;
   const int64_t tbytes = q8 ? 512 : 256;
@@ -463,7 +466,7 @@ __attribute__((target("avx512f"))) inline void prefetch_pair_ahead(const Weight&
     _mm_prefetch(static_cast<const char*>(w.scale) + t1 * 32, _MM_HINT_T0);
   } else if (w.fmt == kInt4) {  // scale and zero: 16 bf16 per (block, group)
     const int64_t g = step_group(w, kb, std::min<int64_t>(ks + kAhead, kb - 1));
-    for (int64_t nb = nb0; nb < nb0 + 2; ++nb) {
+    for (const int64_t nb : {nb0, nb1}) {
       _mm_prefetch(static_cast<const char*>(w.scale) + (nb * w.groups + g) * 32, _MM_HINT_T0);
       _mm_prefetch(static_cast<const char*>(w.zero) + (nb * w.groups + g) * 32, _MM_HINT_T0);
     }
@@ -489,11 +492,13 @@ __attribute__((target("avx512f"))) inline void prefetch_pair_ahead(const Weight&
 // tiles into C tiles 0-1 and 2-3 (free: there is no remainder without float32 activations).
 // column_pair's whole-K buffer went through L2 at K = 1536 and kept the dequantization of one
 // step from overlapping the products of the last. The same B tiles, and per C tile the same
-// products in the same order as column_pair's: the same bits. `tile(nb, ks, dst)` makes a B tile.
-template <typename Tile>
+// products in the same order as column_pair's: the same bits. `tile(nb, ks, dst)` makes a B tile;
+// the two blocks are nb0 and nb1, and `store(c, q)` takes C tile q (0-1 rows 0-15, 2-3 the rest).
+template <typename Tile, typename Store>
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void small_pair(
-    const Weight& w, int64_t pair, const uint16_t* a_hi, int64_t m, int64_t mp, const Out& out, const Tile& tile) {
-  const int64_t kb = w.kp / 32, nb0 = 2 * pair;
+    const Weight& w, int64_t nb0, int64_t nb1, const uint16_t* a_hi, int64_t mp, const Tile& tile,
+    const Store& store) {
+  const int64_t kb = w.kp / 32;
   const int64_t stride = w.kp * 2;  // bytes per A row
   const bool two = mp > 16;
   alignas(64) uint16_t buf[2][2 * 512];
@@ -505,9 +510,9 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void sm
   }
   for (int64_t ks = 0; ks < kb; ++ks) {
     uint16_t* b = buf[ks & 1];
-    prefetch_pair_ahead(w, nb0, ks);
+    prefetch_pair_ahead(w, nb0, nb1, ks);
     tile(nb0, ks, b);
-    tile(nb0 + 1, ks, b + 512);
+    tile(nb1, ks, b + 512);
     _tile_loadd(4, a_hi + ks * 32, stride);
     _tile_loadd(6, b, 64);
     _tile_loadd(7, b + 512, 64);
@@ -526,13 +531,40 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void sm
     _tile_stored(2, c[2], 64);
     _tile_stored(3, c[3], 64);
   }
-  for (int q = 0; q < (two ? 4 : 2); ++q) store_c_tile(c[q], w, nb0 + q % 2, (q / 2) * 16, m, out);
+  store(c, two ? 4 : 2);
 }
 
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void column_pair_small(
     const Weight& w, int64_t pair, const uint16_t* a_hi, int64_t m, int64_t mp, const Out& out) {
+  const int64_t nb0 = 2 * pair;
   with_tile_maker(w, [&](const auto& tile) {
-    small_pair(w, pair, a_hi, m, mp, out, [&](int64_t nb, int64_t ks, uint16_t* d) { tile(nb, ks, d, nullptr); });
+    small_pair(w, nb0, nb0 + 1, a_hi, mp, [&](int64_t nb, int64_t ks, uint16_t* d) { tile(nb, ks, d, nullptr); },
+               [&](float (*c)[256], int tiles) {
+                 for (int q = 0; q < tiles; ++q) store_c_tile(c[q], w, nb0 + q % 2, (q / 2) * 16, m, out);
+               });
+  });
+}
+
+// A fused gate_up weight's gate block j beside its up block j + nbk / 2 (the same B tiles, the same
+// products), stored as silu(gate) * up: bf16 [m, nbk / 2 x 16], silu_mul's bits (store_silu_row;
+// the INT8 format's per-column scale first, as store_c_tile applies it).
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void column_pair_gated(
+    const Weight& w, int64_t j, int64_t nbk, const uint16_t* a_hi, int64_t m, int64_t mp, at::BFloat16* out) {
+  const int64_t inter = nbk / 2 * 16;
+  const float* scale = w.fmt == kInt8 ? static_cast<const float*>(w.scale) : nullptr;
+  with_tile_maker(w, [&](const auto& tile) {
+    small_pair(w, j, j + nbk / 2, a_hi, mp, [&](int64_t nb, int64_t ks, uint16_t* d) { tile(nb, ks, d, nullptr); },
+               [&](float (*c)[256], int tiles) {
+                 if (scale)
+                   for (int q = 0; q < tiles; ++q) {
+                     const __m512 sc = _mm512_loadu_ps(scale + (q % 2 ? j + nbk / 2 : j) * 16);
+                     for (int r = 0; r < 16; ++r)
+                       _mm512_store_ps(c[q] + r * 16, _mm512_mul_ps(_mm512_load_ps(c[q] + r * 16), sc));
+                   }
+                 for (int q = 0; q < tiles; q += 2)
+                   for (int r = 0; r < 16 && (q / 2) * 16 + r < m; ++r)
+                     store_silu_row(c[q] + r * 16, c[q + 1] + r * 16, out + ((q / 2) * 16 + r) * inter + j * 16);
+               });
   });
 }
 
@@ -1010,9 +1042,10 @@ class PairQueue {
 // Every column pair of the weight for every activation row of x (the caller checked w). With
 // logits (bf16 x on AMX only): fp32 out holding the bf16-rounded values, and with argmax each
 // row's first maximum of them (the chunks are runs of column pairs, in order); store false (with
-// argmax): the maxima only, out [M, 0].
+// argmax): the maxima only, out [M, 0]. gated (decode sizes on AMX only: gated_of): silu(gate) * up
+// of a fused gate_up weight, bf16 [M, n / 2].
 at::Tensor run(const at::Tensor& x, const Weight& w, int64_t nbk, bool logits = false,
-               ArgmaxCollector* argmax = nullptr, bool store = true) {
+               ArgmaxCollector* argmax = nullptr, bool store = true, bool gated = false) {
   const int64_t n = w.n, kp = w.kp, kb = kp / 32, fmt = w.fmt, k = x.size(1), m = x.size(0);
   const int64_t mp = std::max<int64_t>(16, (m + 15) / 16 * 16);
   // The A operands, K padded with zeros, reused across calls (no per-call page faults). The rows
@@ -1033,7 +1066,9 @@ at::Tensor run(const at::Tensor& x, const Weight& w, int64_t nbk, bool logits = 
     a_hi = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   else
     pack_a(x, m, k, kp, abuf.data(), a_lo);
-  auto out = at::empty({m, store ? n : 0}, x.options().dtype(logits ? at::kFloat : x.scalar_type()));
+  TORCH_CHECK(!gated || (small && n == w.np), "tessera_qgemm: a gated call takes the decode-size AMX path");
+  const int64_t n_out = !store ? 0 : gated ? n / 2 : n;
+  auto out = at::empty({m, n_out}, x.options().dtype(logits ? at::kFloat : x.scalar_type()));
   void* outp = store ? out.data_ptr() : nullptr;
   const at::ScalarType dtype = x.scalar_type();
   // float32 activations also take the weight's remainder where W is not exact in bf16.
@@ -1083,6 +1118,8 @@ at::Tensor run(const at::Tensor& x, const Weight& w, int64_t nbk, bool logits = 
         last = p;
         if (!amx)
           column_pair_avx512(w, p, a_hi, a_lo, w_lo, m, bbuf.data(), outp, dtype);
+        else if (gated)
+          column_pair_gated(w, p, nbk, a_hi, m, mp, static_cast<at::BFloat16*>(outp));
         else if (small)
           column_pair_small(w, p, a_hi, m, mp, o);
         else
@@ -1262,12 +1299,55 @@ at::Tensor w8a8(const at::Tensor& qx, const at::Tensor& codes, int64_t n) {
 
 }  // namespace
 
+// silu(gate) * up of a fused gate_up weight (n = 2 x inter columns, gate first; bf16 x):
+// silu_mul(qgemm(x, ...)) bit for bit. At decode sizes on AMX the silu runs in the store epilogue
+// (column_pair_gated), so the [M, n] gate_up output is not stored and read back, and the decoder
+// stack makes one parallel call of the two; elsewhere the two in turn.
+at::Tensor gated_of(const at::Tensor& x, const Weight& w, int64_t nbk) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tessera_qgemm: the gated linear takes bf16 x");
+  TORCH_CHECK(w.n % 32 == 0, "tessera_qgemm: a gated weight has 2 x inter columns, inter a multiple of 16");
+  const int64_t m = x.size(0);
+  if (use_amx() && m <= 32 && w.fmt != kBf16 && w.np == w.n) return run(x, w, nbk, false, nullptr, true, true);
+  const at::Tensor y = run(x, w, nbk);
+  const int64_t inter = w.n / 2;
+  auto out = at::empty({m, inter}, x.options());
+  const uint16_t* yp = reinterpret_cast<const uint16_t*>(y.data_ptr<at::BFloat16>());
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    alignas(64) float gate[16], up[16];
+    const auto widen = [](const uint16_t* src, float* dst) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+      _mm512_store_ps(dst, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    };
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t i = 0; i < inter; i += 16) {
+        widen(yp + r * w.n + i, gate);
+        widen(yp + r * w.n + inter + i, up);
+        store_silu_row(gate, up, op + r * inter + i);
+      }
+  });
+  return out;
+}
+
+at::Tensor qgemm_silu(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                      const c10::optional<at::Tensor>& zero, int64_t fmt, int64_t n, int64_t k) {
+  return gated_of(x, checked_weight(x, codes, scale, zero, fmt, n, k), codes.size(0));
+}
+
+at::Tensor kqgemm_silu(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& planes, const at::Tensor& sup,
+                       const c10::optional<at::Tensor>& sub, int64_t kind, int64_t n, int64_t k) {
+  return gated_of(x, checked_kq_weight(x, codes, planes, sup, sub, kind, n, k), codes.size(0));
+}
+
 TORCH_LIBRARY(tessera_qgemm, lib) {
   lib.def("qgemm(Tensor x, Tensor codes, Tensor scale, Tensor? zero, int fmt, int n, int k) -> Tensor");
   lib.def("qgemm_logits(Tensor x, Tensor codes, Tensor scale, Tensor? zero, int fmt, int n, int k, bool argmax, "
           "bool logits=True) -> (Tensor, Tensor)");
   lib.def("w8a8(Tensor qx, Tensor codes, int n) -> Tensor");
   lib.def("kqgemm(Tensor x, Tensor codes, Tensor planes, Tensor sup, Tensor? sub, int kind, int n, int k) -> Tensor");
+  lib.def("qgemm_silu(Tensor x, Tensor codes, Tensor scale, Tensor? zero, int fmt, int n, int k) -> Tensor");
+  lib.def("kqgemm_silu(Tensor x, Tensor codes, Tensor planes, Tensor sup, Tensor? sub, int kind, int n, int k) "
+          "-> Tensor");
   lib.def("kqgemm_logits(Tensor x, Tensor codes, Tensor planes, Tensor sup, Tensor? sub, int kind, int n, int k, "
           "bool argmax, bool logits=True) -> (Tensor, Tensor)");
   lib.def("set_arithmetic(int arithmetic) -> ()", &set_arithmetic);  // no tensor: a catch-all kernel
@@ -1279,4 +1359,6 @@ TORCH_LIBRARY_IMPL(tessera_qgemm, CPU, lib) {
   lib.impl("w8a8", &w8a8);
   lib.impl("kqgemm", &kqgemm);
   lib.impl("kqgemm_logits", &kqgemm_logits);
+  lib.impl("qgemm_silu", &qgemm_silu);
+  lib.impl("kqgemm_silu", &kqgemm_silu);
 }
