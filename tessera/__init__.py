@@ -1,8 +1,8 @@
 """Tessera: an LLM inference and serving engine."""
 
-from tessera.sampling import SamplingParams
+from tessera.sampling import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "RequestOutputKind", "SamplingParams"]
 __version__ = "0.1.0"
 
 

@@ -7,6 +7,7 @@ This module must stay free of torch: the HTTP server imports it to validate requ
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from tessera.structured.params import StructuredOutputsParams
@@ -22,6 +23,17 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class RequestOutputKind(enum.IntEnum):
+    """Which RequestOutputs a request gets (vLLM's names). CUMULATIVE and DELTA: one every step
+    that adds to it (Tessera's outputs carry both the whole text and the step's delta, so the two
+    behave alike here); FINAL_ONLY: only the finished one, which LLM.generate asks for. A
+    FINAL_ONLY request without stop strings is detokenized once, when it finishes."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -45,6 +57,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # A JSON schema, regex, choice or grammar the output must follow (tessera/structured).
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -98,6 +111,8 @@ class SamplingParams:
                 fail(name, "a bool")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             fail("structured_outputs", "a StructuredOutputsParams or None")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            fail("output_kind", "a RequestOutputKind")
 
     @property
     def is_greedy(self) -> bool:

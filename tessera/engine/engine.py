@@ -34,7 +34,7 @@ from tessera.model.tokenizer import Tokenizer
 from tessera.model.weights import load_model_files
 from tessera.outputs import RequestMetrics, RequestOutput
 from tessera.quant.kv import kv_bytes_per_token
-from tessera.sampling import SamplingParams
+from tessera.sampling import RequestOutputKind, SamplingParams
 from tessera.spec.decoder import SpeculativeDecoder
 from tessera.structured.manager import StructuredOutputManager
 
@@ -397,6 +397,8 @@ class LLMEngine:
         outputs = []
         for rid, state in changed.items():
             finished = state.finished
+            if not finished and state.params.output_kind == RequestOutputKind.FINAL_ONLY:
+                continue
             if finished:
                 state.metrics.finished_time = now
                 del self._requests[rid]

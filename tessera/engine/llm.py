@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence as SequenceABC
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from tqdm.auto import tqdm
 
@@ -13,7 +13,7 @@ from tessera.config import DEFAULT_MODEL, EngineConfig
 from tessera.engine.engine import LLMEngine
 from tessera.engine.openmp_team import warn_if_passive
 from tessera.outputs import RequestOutput
-from tessera.sampling import SamplingParams
+from tessera.sampling import RequestOutputKind, SamplingParams
 
 PromptInput = str | list[int] | dict
 
@@ -100,6 +100,11 @@ class LLM:
     def _run(self, prompts: list[PromptInput], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        # Only finished outputs are returned (as vLLM's LLM asks with FINAL_ONLY): the engine then
+        # builds no per-step outputs and decodes a request's text once, where no stop string needs
+        # it sooner. One copy per distinct params object.
+        final = {id(p): replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params}
+        params = [final[id(p)] for p in params]
         try:
             for p in params:  # a constraint that does not compile is a ValueError here, as a bad prompt is
                 if p.structured_outputs is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from tessera.engine.request import Sequence, SequenceStatus
 from tessera.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from tessera.outputs import CompletionOutput, Logprob, TokenLogprobs
+from tessera.sampling import RequestOutputKind
 
 
 class SequenceTextState:
@@ -21,6 +22,10 @@ class SequenceTextState:
             tokenizer, seq.prompt_token_ids, skip_special_tokens=params.skip_special_tokens
         )
         self.stop_strings = list(params.stop or [])
+        # Nobody reads the text before the end (FINAL_ONLY) and no stop string needs it: the tokens
+        # wait in `pending` and are decoded once when the sequence finishes.
+        self.deferred = params.output_kind == RequestOutputKind.FINAL_ONLY and not self.stop_strings
+        self.pending: list[int] = []
         self.text = ""  # all text decoded so far (cut at a stop string once one is found)
         self.emitted = 0  # characters of self.text already handed out
         self.emitted_tokens = 0
@@ -41,8 +46,14 @@ class SequenceTextState:
         """Record a sampled token; return the finished status if the sequence is done."""
         self.seq.output_token_ids.append(token_id)
         new_from = len(self.text)
-        self.text += self.detokenizer.append([token_id])
+        if self.deferred:
+            self.pending.append(token_id)
+        else:
+            self.text += self.detokenizer.append([token_id])
         status = self._check_finished(token_id, eos_token_ids, max_model_len, new_from)
+        if status is not None and self.pending:
+            self.text += self.detokenizer.append(self.pending)
+            self.pending = []
         if status is not None and not isinstance(self.stop_reason, str):
             self.text += self.detokenizer.flush()  # release an incomplete character at the very end
         return status

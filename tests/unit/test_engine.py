@@ -119,6 +119,38 @@ def test_streamed_deltas_add_up(tiny_model_dir):
     assert text == final.outputs[0].text and tokens == final.outputs[0].token_ids
 
 
+def test_final_only_requests_get_one_output_with_the_streamed_text(tiny_model_dir):
+    """FINAL_ONLY (what LLM.generate asks for): no output before the end, and the text decoded once
+    at the end is the text a streamed request builds token by token (random tokens of the tiny
+    vocabulary make incomplete UTF-8 that the deltas hold back). With a stop string the text is
+    decoded as it goes, and the cut is the streamed one too."""
+    from dataclasses import replace
+
+    from tessera import RequestOutputKind
+
+    engine = make_engine(tiny_model_dir)
+    base = [SamplingParams(max_tokens=40, temperature=1.0, seed=s, ignore_eos=True) for s in range(4)]
+    base.append(SamplingParams(max_tokens=40, temperature=1.0, seed=9, ignore_eos=True, stop=["e"]))
+
+    def run(kind):
+        outputs = {}
+        for i, p in enumerate(base):
+            engine.add_request(f"{kind.name}{i}", "final only", replace(p, output_kind=kind))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs.setdefault(out.request_id.removeprefix(kind.name), []).append(out)
+        return outputs
+
+    streamed, final = run(RequestOutputKind.CUMULATIVE), run(RequestOutputKind.FINAL_ONLY)
+    assert all(len(outs) == 1 and outs[0].finished for outs in final.values())
+    assert any(len(outs) > 1 for outs in streamed.values())
+    for i, outs in streamed.items():
+        want, got = outs[-1].outputs[0], final[i][0].outputs[0]
+        assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
+    engine.check_invariants()
+    assert engine.kv.num_free_blocks == engine.kv.num_usable_blocks  # nothing held after
+
+
 def test_logprobs_match_transformers(tiny_model_dir, hf_model):
     llm = LLM(str(tiny_model_dir), dtype="float32")
     prompt = [5, 17, 99, 23, 42]
