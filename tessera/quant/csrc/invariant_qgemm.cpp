@@ -14,6 +14,8 @@
 //     so is a dequantized weight that bf16 does not hold exactly; the three products that matter
 //     go into the same C tile in a fixed order per K step (see column_pair).
 //   * w8a8 (int8 x int8, TDPBSSD): integer sums are exact, so any order gives the same result.
+//   * qgemm_logits / kqgemm_logits: an lm_head's fp32 logits and greedy ids from the store epilogue;
+//     qgemm_silu / kqgemm_silu: a fused gate_up's silu(gate) * up from it (silu_mul's bits).
 // M = 1 and M = 512 run the same instructions per output element; only how many A tiles there
 // are changes. Without AMX the same dequantized B tiles are multiplied with VDPBF16PS (one chain
 // per output over the k pairs in order, the same three products per K step), except INT4, whose
@@ -493,7 +495,8 @@ __attribute__((target("avx512f"))) inline void prefetch_pair_ahead(const Weight&
 // column_pair's whole-K buffer went through L2 at K = 1536 and kept the dequantization of one
 // step from overlapping the products of the last. The same B tiles, and per C tile the same
 // products in the same order as column_pair's: the same bits. `tile(nb, ks, dst)` makes a B tile;
-// the two blocks are nb0 and nb1, and `store(c, q)` takes C tile q (0-1 rows 0-15, 2-3 the rest).
+// the two blocks are nb0 and nb1, and `store(c, tiles)` gets the C tiles (c[0] and c[1] rows 0-15 of
+// nb0 and nb1, c[2] and c[3] rows 16-31; tiles is 2 or 4).
 template <typename Tile, typename Store>
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void small_pair(
     const Weight& w, int64_t nb0, int64_t nb1, const uint16_t* a_hi, int64_t mp, const Tile& tile,
