@@ -407,8 +407,33 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void co
   const int64_t stride = w.kp * 2;  // bytes per A row
   const PairTiles tiles = dequant_pair(w, pair, w_lo, bbuf);
   auto b_tile = [&](int64_t blk, int64_t ks, bool lo) { return tiles.get(blk, ks, lo); };
-  alignas(64) float c[2][256];
-  for (int64_t m0 = 0; m0 < mp; m0 += 16) {
+  alignas(64) float c[4][256];
+  int64_t m0 = 0;
+  // bf16 activations and weight: two row tiles share each K step's B tiles (4 products for 4 tile
+  // loads, not 2 for 3); the remainders' products need the other tile registers.
+  if (!w_lo && !a_lo)
+    for (; m0 + 32 <= mp; m0 += 32) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t ks = 0; ks < kb; ++ks) {
+        _tile_loadd(4, a_hi + m0 * w.kp + ks * 32, stride);
+        _tile_loadd(5, a_hi + (m0 + 16) * w.kp + ks * 32, stride);
+        _tile_loadd(6, b_tile(0, ks, false), 64);
+        _tile_loadd(7, b_tile(1, ks, false), 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, c[0], 64);
+      _tile_stored(1, c[1], 64);
+      _tile_stored(2, c[2], 64);
+      _tile_stored(3, c[3], 64);
+      for (int q = 0; q < 4; ++q) store_c_tile(c[q], w, nb0 + q % 2, m0 + (q / 2) * 16, m, out);
+    }
+  for (; m0 < mp; m0 += 16) {
     _tile_zero(0);
     _tile_zero(1);
     for (int64_t ks = 0; ks < kb; ++ks) {
