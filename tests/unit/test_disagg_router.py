@@ -135,6 +135,16 @@ def test_local_data_parallel_routes_shared_prefixes_together(tiny_model_dir):
     convs = [[rng.randrange(260) for _ in range(64)] for _ in range(2)]
     router = create_router(config(tiny_model_dir), ClusterConfig(data_parallel=2, use_ray=False))
     placed: dict[int, set[str]] = {0: set(), 1: set()}
+    # Where each request was first sent, recorded as the router assigns it: a short request can
+    # finish (and leave router._reqs, its worker cleared) before add_request returns to us.
+    first_worker: dict[str, str] = {}
+    assign = router._assign
+
+    def recording_assign(req, h, phase, prompt_tokens):
+        first_worker.setdefault(req.request_id, h.name)
+        return assign(req, h, phase, prompt_tokens)
+
+    router._assign = recording_assign
 
     async def main():
         for turn in range(3):  # both conversations' turns in flight together
@@ -143,7 +153,7 @@ def test_local_data_parallel_routes_shared_prefixes_together(tiny_model_dir):
                 prompt = prefix + [rng.randrange(260) for _ in range(3 + turn)]
                 rid = f"c{c}-t{turn}"
                 streams.append(await router.add_request(rid, prompt, greedy(4)))
-                placed[c].add(router._reqs[rid].worker)
+                placed[c].add(first_worker[rid])
             for stream in streams:
                 async for _ in router.iterate(stream):
                     pass
