@@ -24,7 +24,7 @@ from tessera.engine.model_runner import ModelRunner, prepare_step_kernels
 from tessera.engine.openmp_team import release_calling_thread_team
 from tessera.engine.output_processor import SequenceTextState, decode_logprobs
 from tessera.engine.request import Sequence, SequenceStatus
-from tessera.engine.sampler import Sampler, SamplerOutput
+from tessera.engine.sampler import Sampler
 from tessera.engine.scheduler import Scheduler
 from tessera.engine.swap import HostBlockPool, PreemptionPolicy, measure_swap_costs, num_host_kv_blocks
 from tessera.model.base import kv_window
@@ -340,19 +340,16 @@ class LLMEngine:
             self.spec.record_step(out.scheduled, time.perf_counter() - started)
             return outputs
         seqs = step.sample_seqs
-        if ids_only and argmax is not None:
-            sampled = SamplerOutput(token_ids=argmax.tolist(), logprobs=[None] * len(seqs))
-        else:
-            sampled = self.sampler.sample(
-                logits,
-                [s.sampling_params for s in seqs],
-                [s.output_token_ids for s in seqs],
-                [s.prompt_token_ids for s in seqs],
-                [self._generators.get(s.seq_id) for s in seqs],
-                eos_token_ids=self.eos_token_ids,
-                token_mask=token_mask,
-                argmax=argmax,
-            )
+        sampled = self.sampler.sample(  # with ids_only, the kernel's ids (Sampler.takes_argmax)
+            logits,
+            [s.sampling_params for s in seqs],
+            [s.output_token_ids for s in seqs],
+            [s.prompt_token_ids for s in seqs],
+            [self._generators.get(s.seq_id) for s in seqs],
+            eos_token_ids=self.eos_token_ids,
+            token_mask=token_mask,
+            argmax=argmax,
+        )
         outputs = self._process_samples(seqs, [[t] for t in sampled.token_ids], sampled.logprobs, time.monotonic())
         if self.spec is not None:
             self.spec.record_step(out.scheduled, time.perf_counter() - started)

@@ -233,7 +233,8 @@ class Sampler:
 
         `argmax` [B]: each row's first maximum of `logits` as given, found by the lm_head's kernel
         (ModelRunner.execute_argmax); greedy rows take it when nothing below changed the logits
-        (no grammar mask, penalty or min_tokens hold), saving a pass over [B, V].
+        (no grammar mask, penalty or min_tokens hold), saving a pass over [B, V]. Where every row
+        does and none asks for logprobs (takes_argmax), `logits` is not read at all.
 
         `token_mask` (structured outputs) sets the tokens its rows' grammars forbid to -inf
         before anything else, so logprobs too are those of the constrained distribution.
@@ -248,6 +249,10 @@ class Sampler:
                 f"({num_rows}), got {len(params)}/{len(output_token_ids)}/"
                 f"{len(prompt_token_ids)}/{len(generators)}"
             )
+        if argmax is not None and token_mask is None and self.takes_argmax(params, output_token_ids):
+            # The kernel's ids are the whole sample: nothing below would read the logits (which the
+            # engine then did not store: [B, 0]).
+            return SamplerOutput(token_ids=argmax.tolist(), logprobs=[None] * num_rows)
         device = logits.device
         given = logits
         logits = logits.float()  # never written in place below: it may be the caller's tensor

@@ -85,6 +85,8 @@ def test_the_sampler_takes_the_kernel_ids_only_for_unchanged_logits():
     marker = torch.tensor([2, 2])  # not the argmax: shows which ids a row took
     greedy = SamplingParams(temperature=0.0)
     assert _sample(logits, [greedy, greedy], marker) == [2, 2]
+    # Those ids are the whole sample: logits the engine did not store ([B, 0]) are never read.
+    assert _sample(torch.empty(2, 0), [greedy, greedy], marker) == [2, 2]
     assert _sample(logits, [greedy, greedy], None) == [1, 0]
     # A penalty changes the logits: the kernel's ids no longer apply.
     penalized = SamplingParams(temperature=0.0, presence_penalty=0.5)
