@@ -63,6 +63,20 @@ constexpr int kTileQAmx = 32;
 typedef float v16f __attribute__((vector_size(64), aligned(4)));
 typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
 
+// AVX2 + FMA without AVX-512 (Zen 3): a 16-lane vector is two 8-lane halves. GCC has no 64-byte
+// vector mode there and lowers each v16f operation piece by piece through the stack; the hot
+// loops below (score_rows, pv_rows, transpose16) work on the halves in registers instead, with
+// the same IEEE operation per lane, so every result keeps its bits (only the speed changes).
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define TESSERA_AVX2_HALVES 1
+typedef float v8f __attribute__((vector_size(32), aligned(4)));
+inline __m256 lo8(v16f v) { return (__m256)__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7); }
+inline __m256 hi8(v16f v) { return (__m256)__builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15); }
+inline v16f join8(__m256 a, __m256 b) {
+  return __builtin_shufflevector((v8f)a, (v8f)b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+#endif
+
 // ---- 16-lane fp32 primitives: AVX-512 where the CPU has it, the same IEEE ops lane by lane
 // otherwise (so a machine without AVX-512 gets the same bits, only slower).
 
@@ -73,6 +87,8 @@ typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
 inline v16f load16(const float* p) {
 #if defined(__AVX512F__)
   return (v16f)_mm512_loadu_ps(p);
+#elif defined(TESSERA_AVX2_HALVES)
+  return join8(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
 #else
   v16f v;
   std::memcpy(&v, p, 64);
@@ -82,6 +98,9 @@ inline v16f load16(const float* p) {
 inline void store16(float* p, v16f v) {
 #if defined(__AVX512F__)
   _mm512_storeu_ps(p, (__m512)v);
+#elif defined(TESSERA_AVX2_HALVES)
+  _mm256_storeu_ps(p, lo8(v));
+  _mm256_storeu_ps(p + 8, hi8(v));
 #else
   std::memcpy(p, &v, 64);
 #endif
@@ -102,6 +121,8 @@ inline v16f in_register(v16f v) {
 inline v16f fma16(v16f a, v16f b, v16f c) {
 #if defined(__AVX512F__)
   return (v16f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(TESSERA_AVX2_HALVES)
+  return join8(_mm256_fmadd_ps(lo8(a), lo8(b), lo8(c)), _mm256_fmadd_ps(hi8(a), hi8(b), hi8(c)));
 #else
   v16f r;
   for (int i = 0; i < 16; ++i) r[i] = std::fma(a[i], b[i], c[i]);
@@ -112,6 +133,8 @@ inline v16f fma16(v16f a, v16f b, v16f c) {
 inline v16f fnma16(v16f a, v16f b, v16f c) {  // c - a * b, one rounding
 #if defined(__AVX512F__)
   return (v16f)_mm512_fnmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(TESSERA_AVX2_HALVES)
+  return join8(_mm256_fnmadd_ps(lo8(a), lo8(b), lo8(c)), _mm256_fnmadd_ps(hi8(a), hi8(b), hi8(c)));
 #else
   v16f r;
   for (int i = 0; i < 16; ++i) r[i] = std::fma(-a[i], b[i], c[i]);
@@ -122,6 +145,9 @@ inline v16f fnma16(v16f a, v16f b, v16f c) {  // c - a * b, one rounding
 inline v16f round16(v16f x) {  // to the nearest integer, ties to even
 #if defined(__AVX512F__)
   return (v16f)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#elif defined(TESSERA_AVX2_HALVES)
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return join8(_mm256_round_ps(lo8(x), kNearest), _mm256_round_ps(hi8(x), kNearest));
 #else
   v16f r;
   for (int i = 0; i < 16; ++i) r[i] = std::nearbyint(x[i]);
@@ -199,6 +225,9 @@ template <>
 inline v16f load_f32<at::Half>(const at::Half* src, float) {
 #if defined(__AVX512F__)
   return (v16f)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+#elif defined(TESSERA_AVX2_HALVES)
+  return join8(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))),
+               _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 8))));
 #else
   v16f v;
   for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(src[i]);
@@ -229,6 +258,27 @@ inline v16f load_f32<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* src, float sc
   return v * scale;
 }
 
+#if defined(TESSERA_AVX2_HALVES)
+// In place: the 8 x 8 block r[i][k] becomes the old r[k][i].
+__attribute__((always_inline)) inline void transpose8(__m256* r) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i + 0] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+#endif
+
 // In place: r[i][k] becomes the old r[k][i] (a 16 x 16 block of fp32 in registers). Always
 // inlined: GCC 12 kept it a call, so every tile's 16 vectors went through the stack both ways
 // (6% of a decode's samples; inlined, decode b32 x 320 0.41-0.45 -> 0.33-0.35 ms a layer, prefill
@@ -257,6 +307,17 @@ __attribute__((always_inline)) inline void transpose16(v16f* rv) {
     rv[i] = (v16f)_mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
     rv[i + 8] = (v16f)_mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
   }
+#elif defined(TESSERA_AVX2_HALVES)
+  // Four 8 x 8 blocks: the diagonal ones in place, the two others swap places.
+  __m256 a[8], b[8], c[8], d[8];  // rows 0-7 low/high halves, rows 8-15 low/high halves
+  for (int i = 0; i < 8; ++i) {
+    a[i] = lo8(rv[i]), b[i] = hi8(rv[i]), c[i] = lo8(rv[i + 8]), d[i] = hi8(rv[i + 8]);
+  }
+  transpose8(a), transpose8(b), transpose8(c), transpose8(d);
+  for (int i = 0; i < 8; ++i) {
+    rv[i] = join8(a[i], c[i]);
+    rv[i + 8] = join8(b[i], d[i]);
+  }
 #else
   for (int i = 0; i < 16; ++i)
     for (int k = i + 1; k < 16; ++k) std::swap(rv[i][k], rv[k][i]);
@@ -268,6 +329,31 @@ __attribute__((always_inline)) inline void transpose16(v16f* rv) {
 // the item reads (zeros: every row masks it).
 template <typename C, int D>
 inline void load_k_tile(const C* kc, const int64_t* off, const float* scale, float* kT) {
+#if defined(TESSERA_AVX2_HALVES)
+  // 8 keys x 8 d at a time, straight into kT: no 16-lane vector passes through memory.
+  for (int c = 0; c < D; c += 8)
+    for (int jb = 0; jb < kLanes; jb += 8) {
+      __m256 r[8];
+      for (int j = 0; j < 8; ++j) {
+        const int64_t o = off[jb + j];
+        if (o < 0) {
+          r[j] = _mm256_setzero_ps();
+        } else if constexpr (std::is_same_v<C, float>) {
+          r[j] = _mm256_loadu_ps(kc + o + c);
+        } else if constexpr (std::is_same_v<C, at::BFloat16>) {
+          const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kc + o + c));
+          r[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        } else {
+          // 16 elements converted (the tile row's next 8 d come along; cheap next to a miss)
+          const v16f v = load_f32<C>(kc + o + (c & ~15), scale[jb + j]);
+          r[j] = (c & 8) ? hi8(v) : lo8(v);
+        }
+      }
+      transpose8(r);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kT + (c + i) * kLanes + jb, r[i]);
+    }
+  return;
+#endif
   for (int c = 0; c < D; c += 16) {
     v16f r[16];
     for (int j = 0; j < kLanes; ++j) r[j] = off[j] < 0 ? (v16f){} : load_f32<C>(kc + off[j] + c, scale[j]);
@@ -323,6 +409,28 @@ constexpr bool kPairedBf16 = std::is_same_v<C, at::BFloat16> && D % 32 == 0;
 // that CPU, and 13-17% of prefill attention's time (same arithmetic, same bits).
 template <int D, int NR>
 inline void score_rows(const float* const* q, const float* kT, v16f* out) {
+#if defined(TESSERA_AVX2_HALVES)
+  // Each row and each half of the 16 keys on its own: 8 chains in 8 registers.
+  for (int r = 0; r < NR; ++r) {
+    __m256 half[2];
+    for (int hh = 0; hh < 2; ++hh) {
+      __m256 a[8];
+#pragma GCC unroll 8
+      for (int l = 0; l < 8; ++l) a[l] = _mm256_mul_ps(_mm256_set1_ps(q[r][l]), _mm256_loadu_ps(kT + l * 16 + 8 * hh));
+#pragma GCC unroll 4
+      for (int i = 8; i < D; i += 8) {
+#pragma GCC unroll 8
+        for (int l = 0; l < 8; ++l)
+          a[l] = _mm256_fmadd_ps(_mm256_set1_ps(q[r][i + l]), _mm256_loadu_ps(kT + (i + l) * 16 + 8 * hh), a[l]);
+      }
+      const __m256 b0 = _mm256_add_ps(a[0], a[4]), b1 = _mm256_add_ps(a[1], a[5]);
+      const __m256 b2 = _mm256_add_ps(a[2], a[6]), b3 = _mm256_add_ps(a[3], a[7]);
+      half[hh] = _mm256_add_ps(_mm256_add_ps(b0, b2), _mm256_add_ps(b1, b3));
+    }
+    out[r] = join8(half[0], half[1]);
+  }
+  return;
+#endif
   v16f a[NR][8];
 #pragma GCC unroll 8
   for (int l = 0; l < 8; ++l) {
@@ -384,6 +492,42 @@ inline void pv_rows(float* const* acc, const float* const* p, const float* corr,
   constexpr int kGroup = kVec * NR <= 20 ? kVec : (kVec % 4 == 0 ? 4 : (kVec % 2 == 0 ? 2 : 1));
   static_assert(kVec % kGroup == 0, "pv_rows: passes must cover head_dim exactly");
   static_assert(!kPairedBf16<C, D> || kGroup % 2 == 0, "pv_rows: paired bf16 passes take whole pairs");
+#if defined(TESSERA_AVX2_HALVES)
+  // Row by row, up to 64 output lanes (8 registers) a pass; the same FMAs per lane.
+  constexpr int kHalves = (D / 8) % 8 == 0 ? 8 : ((D / 8) % 4 == 0 ? 4 : 2);
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < D; c += 8 * kHalves) {
+      __m256 a[kHalves];
+      for (int u = 0; u < kHalves; ++u) {
+        a[u] = _mm256_loadu_ps(acc[r] + c + 8 * u);
+        if (corr[r] != 1.f) a[u] = _mm256_mul_ps(a[u], _mm256_set1_ps(corr[r]));
+      }
+      for (int j = j0; j < j1; ++j) {
+        const __m256 pj = _mm256_set1_ps(p[r][j]);
+        const C* vrow = vc + off[j] + c;
+        for (int u = 0; u < kHalves; ++u) {
+          __m256 v;
+          if constexpr (kPairedBf16<C, D>) {
+            // accumulator lanes c + 8u: per 32 d the 16 even d (words' low halves), then the 16
+            // odd d (high halves); word w of the 32 d chunk holds d = 2w, 2w + 1
+            const int lane = c + 8 * u, chunk = lane / 32 * 32, part = lane % 32;
+            const __m256i w = _mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(vc + off[j] + chunk + 2 * (part % 16)));
+            v = part < 16 ? _mm256_castsi256_ps(_mm256_slli_epi32(w, 16))
+                          : _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+          } else if constexpr (std::is_same_v<C, float>) {
+            v = _mm256_loadu_ps(vrow + 8 * u);
+          } else {
+            const v16f v16 = load_f32<C>(vrow + 8 * (u & ~1), scale[j]);
+            v = (u & 1) ? hi8(v16) : lo8(v16);
+          }
+          a[u] = _mm256_fmadd_ps(pj, v, a[u]);
+        }
+      }
+      for (int u = 0; u < kHalves; ++u) _mm256_storeu_ps(acc[r] + c + 8 * u, a[u]);
+    }
+  return;
+#endif
   for (int c = 0; c < D; c += 16 * kGroup) {
     v16f a[NR][kGroup];
     for (int r = 0; r < NR; ++r)
