@@ -204,8 +204,8 @@ def _native_ops_for(x: torch.Tensor) -> bool:
 def native_softmax_ops(logits: torch.Tensor) -> bool:
     """Whether the native softmax ops (sample_softmax, softmax_normalizers in
     tessera/kernels/csrc/sampling.cpp) can take these logits: CPU float32, the native kernels
-    built, AVX-512 (the same CPUs as the fused ops)."""
-    return logits.device.type == "cpu" and logits.dtype == torch.float32 and kernels.fused(logits)
+    built, AVX-512 (kernels.sampling_ops)."""
+    return logits.device.type == "cpu" and kernels.sampling_ops(logits)
 
 
 def _native_kept(x: torch.Tensor, width: int) -> bool:

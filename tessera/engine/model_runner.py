@@ -26,11 +26,13 @@ def prepare_step_kernels(model: torch.nn.Module, config, dtype: torch.dtype, fil
     """Put the batch-invariant linear kernels (tessera/kernels) in the model where they pay.
 
     bf16 where the CPU has AVX-512 BF16 (AMX tiles or VDPBF16PS): always (as fast as oneDNN at
-    prefill sizes and faster at decode sizes, measured on both). float32: only with --deterministic (the fixed-order FMA kernel is slower than MKL's
-    prefill GEMM; docs/reproducibility.md has the measured cost). Returns how many weights
+    prefill sizes and faster at decode sizes, measured on both). float32: on CPUs with AVX2 and
+    no AVX-512 (Zen 3: the register-tiled kernel beats MKL at every row count), elsewhere only
+    with --deterministic (the fixed-order FMA kernel is slower than MKL's prefill GEMM there;
+    docs/reproducibility.md has the measured cost). Returns how many weights
     were swapped. `files` (the model's ModelFiles): a GGUF model in bf16 also keeps its blocks for
     decode sizes (tessera/quant/gguf_codes.py)."""
-    from tessera.kernels.linear import make_linears_invariant, supported
+    from tessera.kernels.linear import invariant_by_default, make_linears_invariant, supported
 
     if config.device != "cpu":
         return 0
@@ -39,7 +41,7 @@ def prepare_step_kernels(model: torch.nn.Module, config, dtype: torch.dtype, fil
             raise ValueError(f"--deterministic needs the batch-invariant kernels, which this CPU has not for "
                              f"{str(dtype).removeprefix('torch.')} (bf16 needs AVX-512 BF16 or AMX): use --dtype float32")
         return 0
-    if dtype == torch.bfloat16 or config.deterministic:
+    if dtype == torch.bfloat16 or config.deterministic or invariant_by_default(dtype):
         count = make_linears_invariant(model)
         if dtype == torch.bfloat16 and files is not None:
             from tessera.quant.gguf_codes import attach_gguf_codes

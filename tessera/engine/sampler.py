@@ -183,7 +183,7 @@ def seeded_noise(generators: Sequence[torch.Generator], vocab: int, device: torc
     race over a kept prefix needs no other (the same values as the full row's, gathered)."""
     keys = torch.stack([torch.randint(0, 2**31 - 1, (2,), generator=gen, dtype=torch.int64,
                                       device=gen.device).to(device) for gen in generators])
-    if device.type == "cpu" and kernels.fused(torch.empty(0)) and _NATIVE_HASH:
+    if device.type == "cpu" and kernels.sampling_ops(torch.empty(0)) and _NATIVE_HASH:
         # The same integers in one native pass (tessera/kernels/csrc/sampling.cpp: seeded_uniforms).
         u = kernels.ops().seeded_uniforms(keys, token_ids, vocab)
     else:

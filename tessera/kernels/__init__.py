@@ -17,8 +17,8 @@ import torch
 from tessera.native import load_extension
 
 _SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in (
-    "invariant_kernels.cpp", "paged_attention.cpp", "fused_ops.cpp", "decoder_stack.cpp", "sampling.cpp",
-    "argmax_rows.h", "silu_rows.h"))
+    "invariant_kernels.cpp", "paged_attention.cpp", "fused_ops.cpp", "fused_avx2.cpp", "f32_gemm_avx2.cpp",
+    "decoder_stack.cpp", "sampling.cpp", "argmax_rows.h", "silu_rows.h", "avx2_kernels.h"))
 
 
 @functools.cache
@@ -51,8 +51,21 @@ def ops():
     return torch.ops.tessera_inv
 
 
+def cpu_has_avx2_fma() -> bool:
+    return {"avx2", "fma"} <= cpu_flags()
+
+
 def fused(x: torch.Tensor) -> bool:
-    """Whether the fused elementwise C++ ops can run on x (CPU, float32 or bfloat16; they are
-    written for AVX-512 with bf16 conversions: Zen 4, Sapphire Rapids and later)."""
-    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and cpu_has_avx512_bf16()
-            and available())
+    """Whether the fused elementwise C++ ops can run on x (CPU): float32 or bfloat16 with AVX-512
+    BF16 (Zen 4, Sapphire Rapids and later), float32 with AVX2 and FMA (Zen 3; the same bits)."""
+    if x.device.type != "cpu" or not available():
+        return False
+    if x.dtype == torch.float32:
+        return cpu_has_avx512_bf16() or cpu_has_avx2_fma()
+    return x.dtype == torch.bfloat16 and cpu_has_avx512_bf16()
+
+
+def sampling_ops(x: torch.Tensor) -> bool:
+    """Whether sampling.cpp's AVX-512 ops (softmax, seeded uniforms) can take x: CPU float32 on
+    the CPUs with AVX-512 BF16 (they have no AVX2 twin: Zen 3 keeps the torch sampler)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and cpu_has_avx512_bf16() and available()

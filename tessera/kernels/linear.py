@@ -27,11 +27,11 @@ logger = logging.getLogger("tessera")
 
 def packed_shape(weight: torch.Tensor) -> tuple[int, ...]:
     """The packed weight's shape: bf16 VNNI tiles [Np/16, Kp/2, 16, 2] (N, K padded to multiples
-    of 32), float32 transposed [K, Np] (N padded to a multiple of 64)."""
+    of 32), float32 panels of 64 columns [Np/64, K, 64] (each contiguous: a decode streams it)."""
     n, k = weight.shape
     if weight.dtype == torch.bfloat16:
         return (-(-n // 32) * 2, -(-k // 32) * 16, 16, 2)
-    return (k, -(-n // 64) * 64)
+    return (-(-n // 64), k, 64)
 
 
 def _pack(weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -42,8 +42,10 @@ def _pack(weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         padded = torch.zeros(np_, kp, dtype=torch.bfloat16)
         padded[:n, :k] = weight
         return out.copy_(padded.view(np_ // 16, 16, kp // 2, 2).permute(0, 2, 1, 3))
-    out[:, :n] = weight.t()
-    return out
+    panels = out.shape[0]
+    padded = torch.zeros(panels * 64, k, dtype=weight.dtype)
+    padded[:n] = weight
+    return out.copy_(padded.view(panels, 64, k).transpose(1, 2))
 
 
 # The bf16 kernel's arithmetic: -1 the machine's (AMX where it has it), 0 AVX-512 BF16, 1 AMX.
@@ -63,6 +65,17 @@ def supported(dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16:
         return kernels.cpu_has_avx512_bf16()  # AMX where the CPU has it, else AVX-512 BF16
     return dtype == torch.float32
+
+
+def invariant_by_default(dtype: torch.dtype) -> bool:
+    """Whether the engine takes these kernels for `dtype` without --deterministic: bf16 wherever
+    they exist; float32 where the linear is f32_gemm_avx2.cpp's register tiles (AVX2 + FMA, no
+    AVX-512: Zen 3), faster than MKL there at 1, 32 and 256 rows (docs/kernels.md, session 31)."""
+    if not supported(dtype):
+        return False
+    flags = kernels.cpu_flags()
+    return dtype == torch.bfloat16 or (dtype == torch.float32 and "avx512f" not in flags
+                                       and kernels.cpu_has_avx2_fma())
 
 
 class InvariantLinear(nn.Module):

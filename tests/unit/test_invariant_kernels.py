@@ -103,6 +103,22 @@ def test_linear_bits_do_not_depend_on_the_thread_count(dtype, arithmetic, thread
         assert ((split.double() - ref).abs() / ref.abs().max()).max() < (1e-4 if dtype == torch.float32 else 8e-3)
 
 
+def test_float32_linear_is_one_fma_chain_over_k_in_order():
+    """The float32 kernel's arithmetic, on every CPU (the AVX-512 loop and the AVX2 register tiles
+    alike): out = fma(x[k-1], w[k-1], ... fma(x[0], w[0], 0)) + bias. Emulated here with each fma
+    as an exact float64 product and sum rounded to float32 (a double rounding that can differ from
+    the fused one only at near-ties, which these values do not hit)."""
+    gen = torch.Generator().manual_seed(11)
+    n, k, m = 136, 70, 13  # a ragged last panel; 6-row tiles and a 1-row rest
+    weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    x = torch.randn(m, k, generator=gen)
+    acc = torch.zeros(m, n)
+    for j in range(k):
+        acc = (x[:, j:j + 1].double() * weight[:, j].double() + acc.double()).float()
+    assert torch.equal(InvariantLinear(weight)(x, bias), acc + bias)
+    assert torch.equal(InvariantLinear(weight)(x), acc + 0.0)
+
+
 def _naive_attention(q, k_cache, v_cache, slots, scale):
     """q [H, d] attending to the cache rows `slots` (float64, exact softmax)."""
     h, d = q.shape
@@ -252,7 +268,9 @@ def test_deterministic_puts_invariant_linears_in_a_float32_engine(tiny_model_dir
     plain = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=1 << 22))
     det = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=1 << 22,
                                  deterministic=True))
-    assert not isinstance(plain.runner.model.layers[0].self_attn.qkv_proj, InvariantLinear)
+    # Without the flag float32 takes them only where they beat MKL (AVX2 without AVX-512: Zen 3).
+    plain_invariant = isinstance(plain.runner.model.layers[0].self_attn.qkv_proj, InvariantLinear)
+    assert plain_invariant == linear.invariant_by_default(torch.float32)
     assert isinstance(det.runner.model.layers[0].self_attn.qkv_proj, InvariantLinear)
     assert isinstance(det.runner.model.lm_head, InvariantLinear)
     prompts = [[1, 5, 9, 13, 17, 21, 3], [2, 4, 6, 8]]

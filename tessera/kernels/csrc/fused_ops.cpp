@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "avx2_kernels.h"
 #include "silu_rows.h"
 
 namespace {
@@ -62,9 +63,14 @@ inline __m512 round16(__m512 v, const at::BFloat16*) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(h)), 16));
 }
 
-void check_cpu() {
-  static const bool ok = __builtin_cpu_supports("avx512bf16");
-  TORCH_CHECK(ok, "the fused ops need AVX-512 bf16 (tessera.kernels.fused() is False on this CPU)");
+// Whether the AVX-512 code serves `dtype` here (else float32 takes fused_avx2.cpp's; anything
+// else is refused, as tessera.kernels.fused() says).
+bool avx512(at::ScalarType dtype) {
+  static const bool bf16 = __builtin_cpu_supports("avx512bf16");
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  TORCH_CHECK(bf16 || (avx2 && dtype == at::kFloat),
+              "the fused ops need AVX-512 bf16, or AVX2 and FMA for float32 (tessera.kernels.fused() is False here)");
+  return bf16;
 }
 
 constexpr int64_t kGrain = 16;  // rows per parallel task: small batches stay on one thread
@@ -107,7 +113,7 @@ void add_rms_norm_rows(const T* x, const T* res, const T* w, T* out, T* sum_out,
 // residual the second output is x itself.
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                                 const at::Tensor& weight, double eps) {
-  check_cpu();
+  const bool wide = avx512(x.scalar_type());
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "add_rms_norm: contiguous tensors only");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "add_rms_norm: x and weight dtypes differ");
   const bool has_res = residual.has_value() && residual->defined();
@@ -118,7 +124,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::
   auto sum = has_res ? at::empty_like(x) : x;
   AT_DISPATCH_SWITCH(x.scalar_type(), "add_rms_norm",
     AT_DISPATCH_CASE(at::kFloat, [&] {
-      add_rms_norm_rows(x.data_ptr<float>(), has_res ? residual->data_ptr<float>() : nullptr,
+      (wide ? add_rms_norm_rows<float> : tessera_avx2::add_rms_norm_rows)(x.data_ptr<float>(), has_res ? residual->data_ptr<float>() : nullptr,
                         weight.data_ptr<float>(), out.data_ptr<float>(), has_res ? sum.data_ptr<float>() : nullptr,
                         rows, d, static_cast<float>(eps));
     })
@@ -158,7 +164,6 @@ void rotary_rows(const T* x, int64_t row_stride, const float* cos, const float* 
 
 void check_rotary_args(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
                        int64_t heads, int64_t d) {
-  check_cpu();
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) >= heads * d, "rotary: x must be [T, >= heads * d]");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
               sin.is_contiguous() && cos.size(1) == d / 2, "rotary: cos/sin must be fp32 [positions, d / 2]");
@@ -174,11 +179,12 @@ void check_rotary_args(const at::Tensor& x, const at::Tensor& cos, const at::Ten
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
                   int64_t heads, int64_t d) {
   check_rotary_args(x, cos, sin, positions, heads, d);
+  const bool wide = avx512(x.scalar_type());
   const int64_t tokens = x.size(0);
   auto out = at::empty({tokens, heads, d}, x.options());
   AT_DISPATCH_SWITCH(x.scalar_type(), "rotary",
     AT_DISPATCH_CASE(at::kFloat, [&] {
-      rotary_rows(x.data_ptr<float>(), x.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(),
+      (wide ? rotary_rows<float> : tessera_avx2::rotary_rows)(x.data_ptr<float>(), x.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(),
                   positions.data_ptr<int64_t>(), out.data_ptr<float>(), tokens, heads, d);
     })
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
@@ -216,6 +222,7 @@ at::Tensor rotary_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
                      int64_t heads, int64_t kv_heads, int64_t d, at::Tensor& k_cache, at::Tensor& v_cache,
                      const at::Tensor& slots) {
   check_rotary_args(qkv, cos, sin, positions, heads + 2 * kv_heads, d);
+  const bool wide = avx512(qkv.scalar_type());
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() && k_cache.size(1) == kv_heads &&
               k_cache.size(2) == d && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "rotary_kv: caches must be contiguous [S, kv_heads, d]");
@@ -227,7 +234,7 @@ at::Tensor rotary_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
   auto q = at::empty({tokens, heads, d}, qkv.options());
   AT_DISPATCH_SWITCH(qkv.scalar_type(), "rotary_kv",
     AT_DISPATCH_CASE(at::kFloat, [&] {
-      rotary_kv_rows(qkv.data_ptr<float>(), qkv.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(),
+      (wide ? rotary_kv_rows<float> : tessera_avx2::rotary_kv_rows)(qkv.data_ptr<float>(), qkv.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(),
                      positions.data_ptr<int64_t>(), sp, q.data_ptr<float>(), k_cache.data_ptr<float>(),
                      v_cache.data_ptr<float>(), tokens, heads, kv_heads, d);
     })
@@ -258,14 +265,17 @@ void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
 
 // silu(gate_up[:, :inter]) * gate_up[:, inter:] -> [T, inter].
 at::Tensor silu_mul(const at::Tensor& gate_up) {
-  check_cpu();
+  const bool wide = avx512(gate_up.scalar_type());
   TORCH_CHECK(gate_up.is_contiguous() && gate_up.size(-1) % 2 == 0, "silu_mul: contiguous [T, 2 * inter] only");
   const int64_t inter = gate_up.size(-1) / 2, rows = inter ? gate_up.numel() / (2 * inter) : 0;
   auto shape = gate_up.sizes().vec();
   shape.back() = inter;
   auto out = at::empty(shape, gate_up.options());
   AT_DISPATCH_SWITCH(gate_up.scalar_type(), "silu_mul",
-    AT_DISPATCH_CASE(at::kFloat, [&] { silu_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, inter); })
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      (wide ? silu_mul_rows<float> : tessera_avx2::silu_mul_rows)(gate_up.data_ptr<float>(), out.data_ptr<float>(),
+                                                                   rows, inter);
+    })
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
       silu_mul_rows(gate_up.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, inter);
     }));

@@ -10,7 +10,8 @@
 //                  on the same row of A), else AVX-512 BF16 dot products (Zen 4/5: one VDPBF16PS
 //                  chain per output over the K pairs in order). The two round differently, so a
 //                  machine always takes the same one; tests run both where they can.
-//   * linear_f32:  fp32 FMA chains over K in order, vectorized across output columns.
+//   * linear_f32:  fp32 FMA chains over K in order, vectorized across output columns (register
+//                  tiles on AVX2 without AVX-512: f32_gemm_avx2.cpp); weight in 64-column panels.
 //   * linear_bf16_argmax: linear_bf16's fp32 output (the logits) and each row's first maximum,
 //                  found in the store epilogue while the values are in registers: greedy
 //                  sampling without a second pass over [M, vocab] (1.2 ms of a 32-row decode
@@ -36,6 +37,7 @@
 #include <vector>
 
 #include "argmax_rows.h"
+#include "avx2_kernels.h"
 #include "silu_rows.h"
 
 namespace {
@@ -501,9 +503,14 @@ std::tuple<at::Tensor, at::Tensor> linear_bf16_argmax(const at::Tensor& x, const
 #pragma GCC pop_options
 
 // fp32: out[m, n] = sum_k x[m, k] * wt[k, n] in k order, 64 columns x 4 rows at a time.
-// wt is the weight transposed and padded to [K, Np] with Np a multiple of 64.
+// wt is the weight in panels of 64 columns, [Np / 64, K, 64], Np = N padded to a multiple of 64.
 void f32_gemm(const float* x, const float* wt, const float* bias, float* out, int64_t m, int64_t n, int64_t np,
               int64_t k) {
+  // AVX2 without AVX-512 (Zen 3): register tiles with the same arithmetic (f32_gemm_avx2.cpp);
+  // this loop's 4 x 64 accumulators spill there.
+  static const bool avx2_tiles = !__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
+                                 __builtin_cpu_supports("fma");
+  if (avx2_tiles) return tessera_avx2::f32_gemm(x, wt, bias, out, m, n, np, k);
   constexpr int kCols = 64, kRows = 4;
   const int64_t col_blocks = np / kCols;
   at::parallel_for(0, col_blocks, 1, [&](int64_t begin, int64_t end) {
@@ -515,7 +522,7 @@ void f32_gemm(const float* x, const float* wt, const float* bias, float* out, in
         const int rows = static_cast<int>(std::min<int64_t>(kRows, m - r0));
         float acc[kRows][kCols] = {};
         for (int64_t kk = 0; kk < k; ++kk) {
-          const float* w = wt + kk * np + col0;
+          const float* w = wt + (cb * k + kk) * kCols;  // panel cb's row kk
           for (int r = 0; r < kRows; ++r) {
             // Rows past m compute on row 0's data and are discarded: the same instruction
             // stream for every row, so a row's result does not depend on its neighbours.
@@ -535,12 +542,13 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& wt, const c10::opti
   TORCH_CHECK(x.scalar_type() == at::kFloat && wt.scalar_type() == at::kFloat, "linear_f32: float32 only");
   auto rows = x.reshape({-1, x.size(-1)}).contiguous();
   const int64_t m = rows.size(0), k = rows.size(1);
-  TORCH_CHECK(wt.size(0) == k && wt.size(1) % 64 == 0 && wt.size(1) >= n, "linear_f32: bad packed weight");
+  TORCH_CHECK(wt.dim() == 3 && wt.size(1) == k && wt.size(2) == 64 && wt.size(0) * 64 >= n,
+              "linear_f32: bad packed weight (panels [np / 64, k, 64])");
   auto out = at::empty({m, n}, x.options());
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) bias_f = bias->to(at::kFloat).contiguous();
   f32_gemm(rows.data_ptr<float>(), wt.data_ptr<float>(), bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
-           out.data_ptr<float>(), m, n, wt.size(1), k);
+           out.data_ptr<float>(), m, n, wt.size(0) * 64, k);
   auto shape = x.sizes().vec();
   shape.back() = n;
   return out.view(shape);

@@ -1,0 +1,25 @@
+// The float32 kernels for CPUs with AVX2 + FMA and no AVX-512 BF16 (Zen 3): fused_avx2.cpp's row
+// functions (arguments as fused_ops.cpp's functions of the same names, which call them) and
+// f32_gemm_avx2.cpp's f32_gemm (invariant_kernels.cpp's linear_f32 calls it).
+#pragma once
+
+#include <cstdint>
+
+namespace tessera_avx2 {
+
+void add_rms_norm_rows(const float* x, const float* res, const float* w, float* out, float* sum_out, int64_t rows,
+                       int64_t d, float eps);
+void rotary_rows(const float* x, int64_t row_stride, const float* cos, const float* sin, const int64_t* pos,
+                 float* out, int64_t tokens, int64_t heads, int64_t d);
+void rotary_kv_rows(const float* x, int64_t row_stride, const float* cos, const float* sin, const int64_t* pos,
+                    const int64_t* slots, float* q_out, float* k_cache, float* v_cache, int64_t tokens, int64_t heads,
+                    int64_t kv_heads, int64_t d);
+void silu_mul_rows(const float* gu, float* out, int64_t rows, int64_t inter);
+
+// out[m, n] = x[m, k] @ W^T (+ bias) with wt the packed weight [np / 64, k, 64]: every output a
+// fused multiply-add chain over k in order from 0, then + bias (or + 0), as linear_f32's portable
+// loop computes it.
+void f32_gemm(const float* x, const float* wt, const float* bias, float* out, int64_t m, int64_t n, int64_t np,
+              int64_t k);
+
+}  // namespace tessera_avx2
