@@ -614,6 +614,57 @@ inline void pv_rows_dp(float* const* acc, const float* const* p, const float* co
 
 // Online-softmax step of one row over its valid lanes [j0, j1) of a tile: new running max,
 // the rescale factor of what was accumulated, the tile's probabilities into p.
+#if defined(TESSERA_AVX2_HALVES)
+// softmax_exp on 8 lanes: the same clamps, reduction, polynomial and scaling, op for op.
+inline __m256 softmax_exp8(__m256 x) {
+  const __m256 above = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GT_OQ);
+  const __m256 lo = _mm256_blendv_ps(_mm256_set1_ps(-87.0f), x, above);
+  const __m256 xc = _mm256_blendv_ps(_mm256_set1_ps(88.0f), lo, _mm256_cmp_ps(lo, _mm256_set1_ps(88.0f), _CMP_LT_OQ));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), xc);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.3981999507e-3f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i bits = _mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_cvttps_epi32(n), 23));
+  return _mm256_and_ps(above, _mm256_castsi256_ps(bits));
+}
+
+// softmax_step below on the two halves in registers (the generic code went through the stack
+// there: two thirds of the prefill kernel's samples on Zen 3). The max is exact in any order;
+// the sum is lane_sum's tree ((i + 8), then (i + 4), (i + 2), (i + 1)), so the same bits.
+inline float softmax_step(v16f s, int j0, int j1, float& mx, float& den, float* p) {
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 a0 = _mm256_set1_ps(static_cast<float>(j0)), a1 = _mm256_set1_ps(static_cast<float>(j1));
+  __m256 h[2] = {lo8(s), hi8(s)};
+  for (int i = 0; i < 2; ++i) {
+    const __m256 lane = _mm256_add_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps(8.0f * i));
+    const __m256 valid = _mm256_and_ps(_mm256_cmp_ps(lane, a0, _CMP_GE_OQ), _mm256_cmp_ps(lane, a1, _CMP_LT_OQ));
+    h[i] = _mm256_blendv_ps(ninf, h[i], valid);
+  }
+  __m256 m8 = _mm256_max_ps(h[0], h[1]);
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+  const float bm = std::max(mx, _mm_cvtss_f32(m4));
+  const float corr = bm == mx ? 1.f : _mm256_cvtss_f32(softmax_exp8(_mm256_set1_ps(mx - bm)));
+  const __m256 b = _mm256_set1_ps(bm);
+  const __m256 e0 = softmax_exp8(_mm256_sub_ps(h[0], b)), e1 = softmax_exp8(_mm256_sub_ps(h[1], b));
+  const __m256 c = _mm256_add_ps(e0, e1);
+  __m128 d = _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1));
+  d = _mm_add_ps(d, _mm_movehl_ps(d, d));
+  d = _mm_add_ss(d, _mm_shuffle_ps(d, d, 1));
+  den = std::fma(den, corr, _mm_cvtss_f32(d));
+  mx = bm;
+  _mm256_storeu_ps(p, e0);
+  _mm256_storeu_ps(p + 8, e1);
+  return corr;
+}
+#else
 inline float softmax_step(v16f s, int j0, int j1, float& mx, float& den, float* p) {
   const v16f lane = (v16f){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const float ninf = -std::numeric_limits<float>::infinity();
@@ -626,6 +677,7 @@ inline float softmax_step(v16f s, int j0, int j1, float& mx, float& den, float* 
   store16(p, e);
   return corr;
 }
+#endif
 
 // ---- Scores on AMX tiles (bf16 caches and queries, head_dim a multiple of 32, CPUs with AMX).
 // A query row's score against 16 keys is one column of a tile product C = K (16 keys x 32 d, read
