@@ -112,8 +112,8 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                "llama model on the CPU kernels runs its whole decoder stack as one native call; on CUDA, decode "
                "steps replay CUDA graphs captured per batch-size bucket).", boolean=True),
     EngineFlag("deterministic", "--deterministic", "Batch-invariant linears in float32 too (bf16 on CPUs with "
-               "AVX-512 BF16 or AMX has them by default): same tokens whatever the batch, prefill GEMMs 1.5-1.7x "
-               "slower.", boolean=True),
+               "AVX-512 BF16 or AMX, and float32 on CPUs without AVX-512, have them by default): same tokens "
+               "whatever the batch, prefill GEMMs 1.5-1.7x slower on AVX-512 CPUs.", boolean=True),
     EngineFlag("structured_outputs_backend", "--structured-outputs-backend", "Library that compiles JSON-schema, "
                "regex, choice and grammar constraints.", choices=("xgrammar",)),
     EngineFlag("tokenizer", "--tokenizer", "Tokenizer folder or .gguf file (unset: the model's own)."),

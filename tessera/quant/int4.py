@@ -194,13 +194,17 @@ class Int4Linear(QuantLinear):
         return w[: self.out_features]
 
     def native_ok(self) -> bool:
-        return (not self.invariant and self.packed.device.type == "cpu" and packed_layout() == 64 and self.group_size % 16 == 0
-                and native_gemv.available())
+        return (not self.invariant and self.packed.device.type == "cpu" and packed_layout() == native_gemv.INT4_BLOCK_ROWS
+                and self.group_size % 16 == 0 and native_gemv.available())
 
     def select_kernel(self, num_rows: int) -> str:
         if self.invariant:
             return "invariant"
-        # "native" is not chosen: measured slower than int4pack at M = 1 (docs/quantization.md).
+        # "native" is chosen on AVX2-only CPUs (gemv_avx2.cpp: 1.55-1.6x faster than int4pack at
+        # M = 1 on Zen 3, session 31); on AVX-512 ones it measured slower than int4pack at M = 1
+        # (docs/quantization.md).
+        if native_gemv.avx2_only() and num_rows <= native_gemv.NATIVE_MAX_ROWS and self.native_ok():
+            return "native"
         return "int4pack" if num_rows <= INT4PACK_MAX_ROWS else "dequant"
 
     def run_kernel(self, kernel: str, x: torch.Tensor) -> torch.Tensor:

@@ -3,10 +3,12 @@
 At batch 1..NATIVE_MAX_ROWS a decode step is a GEMV that only has to read each weight once; the
 torch kernels either dequantize to a float tile first (a write and a re-read of 4 bytes per
 weight) or run scalar code. These kernels read the stored codes and dequantize in registers.
-They need x86-64 with AVX-512 (checked at run time) and a C++ compiler (built at first use,
-cached; tessera/native.py); when either is missing `available()` is False and the QuantLinear
-classes keep their torch kernels. Ops: torch.ops.tessera_gemv.{int8, q8_0, int4pack}, with fake
-(meta) kernels so torch.compile can trace through them.
+They need x86-64 with AVX-512 (csrc/gemv.cpp) or AVX2 + FMA (csrc/gemv_avx2.cpp: the same ops on
+8-lane vectors, for Zen 3; checked at run time) and a C++ compiler (built at first use, cached;
+tessera/native.py); when either is missing `available()` is False and the QuantLinear classes
+keep their torch kernels. Ops: torch.ops.tessera_gemv.{int8, q8_0, int4pack}, with fake (meta)
+kernels so torch.compile can trace through them. The int4 op reads torch's packed layout of the
+machine: 64-row blocks where torch packs for AVX-512, 32-row blocks on AVX2 (`INT4_BLOCK_ROWS`).
 """
 
 from __future__ import annotations
@@ -25,18 +27,36 @@ NATIVE_MAX_ROWS = 8
 # 4096 bytes into L1: the best of 1, 4 and 16 KiB; an L2 hint was no better, on the development Xeon).
 PREFETCH_BYTES = int(os.environ.get("TESSERA_GEMV_PREFETCH", "4096"))
 PREFETCH_HINT = os.environ.get("TESSERA_GEMV_PREFETCH_HINT", "_MM_HINT_T0")
-_SOURCES = (Path(__file__).parent / "csrc" / "gemv.cpp",)
+_CSRC = Path(__file__).parent / "csrc"
 
 
 def cpu_supported() -> bool:
+    """Whether this CPU runs the AVX-512 kernels (gemv.cpp)."""
     return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX")
+
+
+def avx2_only() -> bool:
+    """Whether this CPU runs gemv_avx2.cpp instead: AVX2 and FMA without AVX-512 (Zen 3)."""
+    from tessera.kernels import cpu_has_avx2_fma
+
+    return not cpu_supported() and torch.backends.cpu.get_cpu_capability() == "AVX2" and cpu_has_avx2_fma()
+
+
+# Rows per block of the int4 layout the native int4pack op reads (torch's on that CPU kind).
+INT4_BLOCK_ROWS = 32 if avx2_only() else 64
 
 
 @functools.cache
 def available() -> bool:
     """True when the kernels are built and loaded on a CPU that can run them."""
-    defines = (f"PREFETCH_BYTES={PREFETCH_BYTES}", f"PREFETCH_HINT={PREFETCH_HINT}")
-    if not cpu_supported() or not load_extension("tessera_gemv", _SOURCES, defines):
+    if cpu_supported():
+        name, sources = "tessera_gemv", (_CSRC / "gemv.cpp",)
+        defines = (f"PREFETCH_BYTES={PREFETCH_BYTES}", f"PREFETCH_HINT={PREFETCH_HINT}")
+    elif avx2_only():
+        name, sources, defines = "tessera_gemv_avx2", (_CSRC / "gemv_avx2.cpp",), ()
+    else:
+        return False
+    if not load_extension(name, sources, defines):
         return False
     _register_fakes()
     return True

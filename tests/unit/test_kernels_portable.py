@@ -19,11 +19,12 @@ from tessera.quant import native_gemv
 
 # Every C++ source Tessera builds, with the weakest CPU it is built on: the float kernels everywhere
 # (Zen 3: no AVX-512), the quantized ones where AVX-512 is (Cooper Lake: AVX-512 BF16 without AMX,
-# as Zen 4/5, which GCC 12 cannot name). The quantized library once built only where -march=native
+# as Zen 4/5, which GCC 12 cannot name; gemv_avx2.cpp on Zen 3). The quantized library once built only where -march=native
 # had AMX (its lambdas inlined AMX intrinsics untargeted). gemv.cpp also takes native_gemv's defines.
 KERNELS, QUANT = Path(tessera.kernels.__file__).parent / "csrc", Path(tessera.quant.__file__).parent / "csrc"
 SOURCES = {f"kernels/{p.name}": (p, "znver3") for p in sorted(KERNELS.glob("*.cpp"))} | \
-          {f"quant/{p.name}": (p, "cooperlake") for p in sorted(QUANT.glob("*.cpp"))}
+          {f"quant/{p.name}": (p, "znver3" if p.stem.endswith("avx2") else "cooperlake")
+           for p in sorted(QUANT.glob("*.cpp"))}
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ here")
