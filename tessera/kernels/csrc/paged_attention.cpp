@@ -65,7 +65,8 @@ typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
 
 // AVX2 + FMA without AVX-512 (Zen 3): a 16-lane vector is two 8-lane halves. GCC has no 64-byte
 // vector mode there and lowers each v16f operation piece by piece through the stack; the hot
-// loops below (score_rows, pv_rows, transpose16) work on the halves in registers instead, with
+// code below (score_rows, pv_rows, load_k_tile, transpose16, softmax_step) works on the halves
+// in registers instead, with
 // the same IEEE operation per lane, so every result keeps its bits (only the speed changes).
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #define TESSERA_AVX2_HALVES 1
