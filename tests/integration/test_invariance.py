@@ -22,9 +22,15 @@ from tessera import SamplingParams
 from tessera.config import EngineConfig
 from tessera.engine.async_engine import AsyncLLMEngine
 from tessera.engine.engine import LLMEngine
+from tessera.kernels import cpu_has_avx512_bf16
 from tessera.model.weights import load_model_files
 
-DTYPES = ["bfloat16", "float32"]
+# bfloat16 invariance is promised where the CPU has AVX-512 BF16 (docs/reproducibility.md); without
+# it bf16 is emulated and these cases took 5 of a 15-minute suite on Zen 3 (session 31) to check
+# what is not promised there.
+DTYPES = [pytest.param("bfloat16", marks=pytest.mark.skipif(
+              not cpu_has_avx512_bf16(), reason="bf16 invariance is promised only with AVX-512 BF16")),
+          "float32"]
 NUM_OUTPUT = 24
 GREEDY = SamplingParams(max_tokens=NUM_OUTPUT, temperature=0.0, ignore_eos=True)
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
