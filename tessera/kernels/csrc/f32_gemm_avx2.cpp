@@ -4,8 +4,7 @@
 // loop's arithmetic, so a row's result is the same alone, in any batch and on any machine.
 //
 // Why: the portable loop keeps 4 rows x 64 columns of accumulators, 32 ymm registers on AVX2:
-// GCC spilled them and the kernel ran at ~80 GFLOP/s at every row count (MKL: 100 at 32 rows,
-// 170 at 256), and a one-row call read its weights at a third of the memory bandwidth.
+// GCC spilled them and the kernel ran at ~80 GFLOP/s at 32 and 256 rows (MKL: 100 and 170).
 //
 // The weight is packed in panels of 64 columns, [np / 64, k, 64]: a panel is contiguous, so a
 // decode call streams each thread's share of the weights in order, and a prefill call sweeps all
