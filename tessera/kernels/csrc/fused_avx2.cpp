@@ -15,6 +15,7 @@
 #include <cstring>
 
 #include "avx2_kernels.h"
+#include "silu_rows.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
@@ -31,28 +32,6 @@ inline __m256i mask8(int64_t left) {
 }
 inline __m256 load8(const float* p, __m256i m) { return _mm256_maskload_ps(p, m); }
 inline void store8(float* p, __m256 v, __m256i m) { _mm256_maskstore_ps(p, m, v); }
-
-// silu_rows.h's exp16, 8 lanes: the same clamps, reduction and polynomial.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-  __m256 p = _mm256_set1_ps(1.3981999507e-3f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i bits = _mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23));
-  return _mm256_castsi256_ps(bits);
-}
-
-inline __m256 silu8(__m256 g) {
-  const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-  return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-}
 
 inline void rotate_head(const float* xr, const float* c, const float* s, float* o, int64_t half) {
   for (int64_t i = 0; i < half; i += 8) {

@@ -52,6 +52,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "silu_rows.h"
+
 namespace {
 
 constexpr int kLanes = 16;  // key positions per tile (one AVX-512 register of fp32)
@@ -66,8 +68,8 @@ typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
 // AVX2 + FMA without AVX-512 (Zen 3): a 16-lane vector is two 8-lane halves. GCC has no 64-byte
 // vector mode there and lowers each v16f operation piece by piece through the stack; the hot
 // code below (score_rows, pv_rows, load_k_tile, transpose16, softmax_step) works on the halves
-// in registers instead, with
-// the same IEEE operation per lane, so every result keeps its bits (only the speed changes).
+// in registers instead, with the same IEEE operation per lane, so every result keeps its bits
+// (only the speed changes).
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #define TESSERA_AVX2_HALVES 1
 typedef float v8f __attribute__((vector_size(32), aligned(4)));
@@ -353,14 +355,14 @@ inline void load_k_tile(const C* kc, const int64_t* off, const float* scale, flo
       transpose8(r);
       for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kT + (c + i) * kLanes + jb, r[i]);
     }
-  return;
-#endif
+#else
   for (int c = 0; c < D; c += 16) {
     v16f r[16];
     for (int j = 0; j < kLanes; ++j) r[j] = off[j] < 0 ? (v16f){} : load_f32<C>(kc + off[j] + c, scale[j]);
     transpose16(r);
     for (int i = 0; i < 16; ++i) store16(kT + (c + i) * kLanes, r[i]);
   }
+#endif
 }
 
 // bf16 keys, head_dim a multiple of 32: a 32-bit word of a cache row is the pair (d, d + 1), so
@@ -430,8 +432,7 @@ inline void score_rows(const float* const* q, const float* kT, v16f* out) {
     }
     out[r] = join8(half[0], half[1]);
   }
-  return;
-#endif
+#else
   v16f a[NR][8];
 #pragma GCC unroll 8
   for (int l = 0; l < 8; ++l) {
@@ -450,6 +451,7 @@ inline void score_rows(const float* const* q, const float* kT, v16f* out) {
     const v16f b0 = a[r][0] + a[r][4], b1 = a[r][1] + a[r][5], b2 = a[r][2] + a[r][6], b3 = a[r][3] + a[r][7];
     out[r] = (b0 + b2) + (b1 + b3);
   }
+#endif
 }
 
 // The same 16 keys' scores from bf16 pairs (CPUs with AVX-512 BF16, bf16 q and cache, head_dim a
@@ -527,8 +529,7 @@ inline void pv_rows(float* const* acc, const float* const* p, const float* corr,
       }
       for (int u = 0; u < kHalves; ++u) _mm256_storeu_ps(acc[r] + c + 8 * u, a[u]);
     }
-  return;
-#endif
+#else
   for (int c = 0; c < D; c += 16 * kGroup) {
     v16f a[NR][kGroup];
     for (int r = 0; r < NR; ++r)
@@ -557,6 +558,7 @@ inline void pv_rows(float* const* acc, const float* const* p, const float* corr,
     for (int r = 0; r < NR; ++r)
       for (int u = 0; u < kGroup; ++u) store16(acc[r] + c + 16 * u, a[r][u]);
   }
+#endif
 }
 
 // P.V of the pair arithmetic (bf16 cache and q, CPUs with AVX-512 BF16, head_dim a multiple of
@@ -613,29 +615,17 @@ inline void pv_rows_dp(float* const* acc, const float* const* p, const float* co
 #endif
 }
 
-// Online-softmax step of one row over its valid lanes [j0, j1) of a tile: new running max,
-// the rescale factor of what was accumulated, the tile's probabilities into p.
 #if defined(TESSERA_AVX2_HALVES)
-// softmax_exp on 8 lanes: the same clamps, reduction, polynomial and scaling, op for op.
+// softmax_exp on 8 lanes: silu_rows.h's exp8 (the same clamps, reduction, polynomial and
+// scaling as softmax_exp; n is a whole number, so rounding or truncating it to an integer agree),
+// then 0 where x is not above -87, as softmax_exp gives.
 inline __m256 softmax_exp8(__m256 x) {
-  const __m256 above = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GT_OQ);
-  const __m256 lo = _mm256_blendv_ps(_mm256_set1_ps(-87.0f), x, above);
-  const __m256 xc = _mm256_blendv_ps(_mm256_set1_ps(88.0f), lo, _mm256_cmp_ps(lo, _mm256_set1_ps(88.0f), _CMP_LT_OQ));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), xc);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-  __m256 p = _mm256_set1_ps(1.3981999507e-3f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i bits = _mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_cvttps_epi32(n), 23));
-  return _mm256_and_ps(above, _mm256_castsi256_ps(bits));
+  return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GT_OQ), exp8(x));
 }
 
-// softmax_step below on the two halves in registers (the generic code went through the stack
+// Online-softmax step of one row over its valid lanes [j0, j1) of a tile: new running max,
+// the rescale factor of what was accumulated, the tile's probabilities into p.
+// On AVX2 on the two halves in registers (the generic code went through the stack
 // there: two thirds of the prefill kernel's samples on Zen 3). The max is exact in any order;
 // the sum is lane_sum's tree ((i + 8), then (i + 4), (i + 2), (i + 1)), so the same bits.
 inline float softmax_step(v16f s, int j0, int j1, float& mx, float& den, float* p) {
