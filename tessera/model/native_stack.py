@@ -3,7 +3,8 @@
 `NativeStack.build(model)` checks, once, that every layer is the plain Llama layer (fused qkv,
 optional qkv bias, no q/k norm, SwiGLU MLP, RMSNorm) on the batch-invariant CPU kernels (float
 weights as InvariantLinear, quantized ones on their batch-invariant kernel: int8, int4 and
-the GGUF modes' Q4_0/Q4_1/Q8_0/K-quant layers; the invariant paged attention backend; the fused
+the GGUF modes' Q4_0/Q4_1/Q8_0/K-quant layers, and on AVX2-only CPUs in float32 the Q4_0/Q4_1
+blocks' int8-activation kernel; the invariant paged attention backend; the fused
 elementwise ops), and then holds the per-layer tensors in the order `tessera_inv::decoder_stack`
 (tessera/kernels/csrc/decoder_stack.cpp) takes them. `forward` runs a step through it, or
 returns None where a step needs what the kernel does not do (a quantized KV cache, no paged
@@ -92,7 +93,7 @@ def _linear_spec(w) -> tuple[int, int, list[torch.Tensor | None]]:
     from tessera.kernels.linear import InvariantLinear
     from tessera.quant import invariant
     from tessera.quant.gguf_kquant import GGUFBlockLinear
-    from tessera.quant.gguf_native import Q8_0Linear
+    from tessera.quant.gguf_native import Q4BlocksLinear, Q8_0Linear
     from tessera.quant.gguf_tiles import KIND
     from tessera.quant.int4 import Int4Linear
     from tessera.quant.int8 import Int8Linear
@@ -102,6 +103,8 @@ def _linear_spec(w) -> tuple[int, int, list[torch.Tensor | None]]:
         if w.codes is not None:  # decode sizes from the GGUF blocks (tessera/quant/gguf_codes.py)
             return 4, w.codes_kind, [w.packed, w.codes.codes, w.codes.planes, w.codes.sup]
         return (0 if w.dtype == torch.bfloat16 else 1), 0, [w.packed]
+    if kind is Q4BlocksLinear and w.native_ok():  # float32 x only (the stack's dtype is checked)
+        return 5, 0, [w.qs, w.d, w.m]
     if not getattr(w, "invariant", False):
         return -1, 0, []
     if kind is Int4Linear:
@@ -143,7 +146,9 @@ def _unsupported(model) -> str | None:
         if {layer.input_layernorm.eps, layer.post_attention_layernorm.eps, model.norm.eps} != {eps}:
             return "the norms' eps differ"
         for w in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if _linear_spec(w)[0] < 0 or (type(w) is InvariantLinear and w.dtype != model.dtype):
+            kind = _linear_spec(w)[0]
+            if kind < 0 or (type(w) is InvariantLinear and w.dtype != model.dtype) or (
+                    kind == 5 and model.dtype != torch.float32):
                 return f"layer {i} has a weight off the batch-invariant kernels ({type(w).__name__})"
         if attn.qkv_bias is not None and attn.qkv_bias.dtype != model.dtype:
             return f"layer {i}'s qkv bias is not {model.dtype}"

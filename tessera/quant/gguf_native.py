@@ -8,10 +8,12 @@ In Q4 blocks byte j holds weight j in its low nibble and weight j + 16 in its hi
 
 Q4_0 and Q4_1: on AMX CPUs the KQ tiles of gguf_tiles.py (GGUFBlockLinear), W computed in float32
 as the file's own dequantization and rounded to bf16 per tile, as the bf16 engine rounds its weight,
-so the mode gives that engine's tokens from a third of the memory (session 29). Elsewhere they map
-onto the int4 kernel's format with group size 32 (scale d, zero point 0 or m + 8d): the codes are
-kept as they are, the scales rounded from float16 to bfloat16 (a relative change of at most 2^-8
-per block scale, far below the 4-bit step), for the faster grouped AVX-512 arithmetic of Zen 4/5.
+so the mode gives that engine's tokens from a third of the memory (session 29). On CPUs with AVX2
+and no AVX-512 (Zen 3) the file's blocks as they are (Q4BlocksLinear): activations quantized to
+int8 per 32 and integer dot products, as llama.cpp and vLLM's GGUF kernels compute. Elsewhere they
+map onto the int4 kernel's format with group size 32 (scale d, zero point 0 or m + 8d): the codes
+are kept as they are, the scales rounded from float16 to bfloat16 (a relative change of at most
+2^-8 per block scale, far below the 4-bit step), for the faster grouped AVX-512 arithmetic of Zen 4/5.
 Q8_0 keeps its int8 codes and float16 scales as they are and is dequantized in row tiles of about
 2 MiB into the activation dtype for each call (no int8 kernel with per-32 scales exists in torch).
 Q5_0, Q5_1, Q4_K, Q5_K and Q6_K tensors keep their file bytes and decode row tiles per call
@@ -31,6 +33,7 @@ from gguf import GGMLQuantizationType as Q
 
 from tessera.quant import invariant, native_gemv
 from tessera.quant.gguf_kquant import KQUANT_TYPES, GGUFBlockLinear
+from tessera.quant.gguf_q4x8 import Q4BlocksLinear, decode_q4_blocks
 from tessera.quant.int4 import Int4Linear
 from tessera.quant.linear import QuantLinear, tile_rows_for, tiled_matmul
 
@@ -151,6 +154,8 @@ class Q8_0Linear(QuantLinear):
         return tiled_matmul(x, self.out_features, tile_rows_for(self.in_features), self._fill)
 
 
+
+
 def raw_rows(tensor) -> torch.Tensor:
     """A GGUF tensor's block bytes as uint8 [rows, bytes per row] (a copy: the file is read-only)."""
     rows = int(np.prod(tensor.shape[1:]))  # GGUF lists dims innermost first
@@ -158,7 +163,7 @@ def raw_rows(tensor) -> torch.Tensor:
 
 
 def _decode(tensor) -> tuple | None:
-    """A GGUF tensor as ("int4", codes, scale, zero), ("q8_0", codes, d) or (type name, raw block
+    """A GGUF tensor as ("int4", codes, scale, zero), ("q8_0", codes, d), ("q4_blocks", qs, d, m) or (type name, raw block
     bytes uint8 [rows, bytes per row]); None if not native."""
     rows = int(np.prod(tensor.shape[1:]))  # GGUF lists dims innermost first
     if tensor.tensor_type in KQUANT_TYPES:
@@ -169,6 +174,8 @@ def _decode(tensor) -> tuple | None:
         # --quantization none); INT4's scale and zero would round d and m to bf16 first. Without
         # AMX, INT4's grouped AVX-512 arithmetic is the faster one and stays.
         return (tensor.tensor_type.name, raw_rows(tensor))
+    if tensor.tensor_type in (Q.Q4_0, Q.Q4_1) and native_gemv.avx2_only() and native_gemv.available():
+        return ("q4_blocks", *decode_q4_blocks(_blocks(tensor.data, tensor.tensor_type, rows), tensor.tensor_type))
     if tensor.tensor_type == Q.Q4_0:
         codes, d = decode_q4_0(tensor.data, rows)
         return ("int4", codes, d, torch.zeros_like(d))
@@ -186,6 +193,8 @@ def _layer(kind: str, parts: list[torch.Tensor]) -> QuantLinear:
         return Int4Linear.from_codes(*parts, group_size=BLOCK)
     if kind == "q8_0":
         return Q8_0Linear(*parts)
+    if kind == "q4_blocks":
+        return Q4BlocksLinear(*parts)
     return GGUFBlockLinear(*parts, Q[kind])
 
 

@@ -12,10 +12,11 @@ from tessera import SamplingParams, kernels
 from tessera.config import EngineConfig
 from tessera.engine.engine import LLMEngine
 from tessera.kernels.linear import supported
-from tessera.quant import invariant
+from tessera.quant import invariant, native_gemv
+from tests.tiny_model import write_gguf_from_hf_dir
 
-pytestmark = pytest.mark.skipif(not (kernels.available() and kernels.cpu_has_avx512_bf16()),
-                                reason="the native stack runs on the C++ kernels with AVX-512 bf16")
+pytestmark = pytest.mark.skipif(not (kernels.available() and kernels.fused(torch.empty(0))),
+                                reason="the native stack runs on the C++ kernels (AVX-512 bf16, or AVX2 for float32)")
 
 PROMPTS = [list(range(5, 45)), list(range(7, 12)), [3] * 60 + list(range(20, 50)), list(range(100, 133))]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -106,6 +107,24 @@ def test_native_stack_equals_modules_quantized(tiny_model_factory, quantization)
     assert engine.runner.model.native_stack is not None
     assert set(engine.runner.model.native_stack.lin_meta[::2]) == {2}  # every linear on tessera_qgemm.qgemm
     eager, _ = _run(path, "bfloat16", eager=True, **kw)
+    assert native == eager
+
+
+@pytest.mark.skipif(not (native_gemv.avx2_only() and native_gemv.available()),
+                    reason="the int8-activation Q4 kernel is the AVX2-only GEMV's (gemv_avx2.cpp)")
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_native_stack_equals_modules_gguf_q4_blocks(tiny_model_factory, tmp_path, qtype):
+    """--quantization gguf on a CPU with AVX2 and no AVX-512: every layer's Q4 blocks on
+    tessera_gemv.q4x8 through the stack (kind 5), for prefill chunks and decodes alike."""
+    from gguf import GGMLQuantizationType as Q
+
+    model_dir = tiny_model_factory(hidden_size=128, intermediate_size=256)
+    path = write_gguf_from_hf_dir(model_dir, tmp_path / f"tiny-{qtype}.gguf", qtype=Q[qtype])
+    kw = dict(quantization="gguf", max_num_batched_tokens=32)
+    native, engine = _run(path, "float32", eager=False, **kw)
+    assert engine.runner.model.native_stack is not None
+    assert set(engine.runner.model.native_stack.lin_meta[::2]) == {5}
+    eager, _ = _run(path, "float32", eager=True, **kw)
     assert native == eager
 
 

@@ -21,6 +21,8 @@
 //   4 bf16 InvariantLinear with its GGUF blocks (tessera/quant/gguf_codes.py): packed, then codes,
 //     planes, sup; calls of up to kCodesMaxRows rows without a bias take kqgemm(format = the KQ
 //     kind) on the blocks, the others linear_bf16: the same bits either way, fewer bytes at decode;
+//   5 GGUF Q4_0/Q4_1 blocks on AVX2 (gguf_q4x8.Q4BlocksLinear, float32 x): tessera_gemv::q4x8(qs, d,
+//     m), its columns past n (padding rows) dropped and its bias added after it, as the module does;
 // an optional qkv bias per layer, the KV cache pair per layer in `kv`, and the step's rotary
 // tables, slots and attention plan (the tensors tessera/attention/invariant_cpu.py's _kernel_plan
 // makes). dims = (heads, kv heads, head_dim, hidden, intermediate); windows = each layer's
@@ -78,6 +80,12 @@ at::Tensor quant_linear(const at::Tensor& x, const c10::List<OptTensor>& t, int6
     static const auto qgemm = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
                                             int64_t, int64_t, int64_t)>("tessera_qgemm::qgemm");
     return qgemm.call(x, *get(0), *get(1), get(2), fmt, n, x.size(1));
+  }
+  if (kind == 5) {  // tessera_gemv is another library too (native_gemv.py loads it)
+    static const auto q4 = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
+        "tessera_gemv::q4x8");
+    at::Tensor y = q4.call(x.contiguous(), *get(0), *get(1), *get(2));
+    return y.size(1) > n ? y.narrow(1, 0, n).contiguous() : y;
   }
   TORCH_CHECK(kind == 3, "decoder_stack: unknown linear kind ", kind);
   return kq_linear(x, *get(0), *get(1), *get(2), get(3), fmt, n);
@@ -159,7 +167,7 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
     at::Tensor act;
     if (takes_bf16(gi, normed, none))
       act = bf16_linear_silu.call(normed, *lin_tensors.get(4 * gi), 2 * inter, -1);
-    else if (bf16 && inter % 16 == 0 && gkind >= 2)
+    else if (bf16 && inter % 16 == 0 && gkind >= 2 && gkind <= 4)
       act = gated_quant_linear(normed, lin_tensors, 4 * gi, gkind, lin_meta[2 * gi + 1], 2 * inter);
     else
       act = silu_mul.call(linear(l, 2, normed, none, 2 * inter));

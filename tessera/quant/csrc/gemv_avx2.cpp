@@ -12,6 +12,7 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -238,6 +239,138 @@ at::Tensor gemv_int4pack(const at::Tensor& x, const at::Tensor& packed, const at
   return y;
 }
 
+
+// ---- GGUF Q4_0 / Q4_1 blocks on int8 activations: the arithmetic llama.cpp and vLLM's GGUF kernels
+// use. Each row of x is quantized per 32 (Q8_1): d_x = amax / 127, q_x = round(x / d_x) (ties to
+// even), s_x = d_x sum q_x. A weight block is W = d q + m (Q4_0: m = -8 d) with codes q in 0..15, so
+// W.x over the block is d d_x sum q q_x + m s_x: the integer sum in VPMADDUBSW (unsigned codes
+// times signed activations, pairs into int16) and VPMADDWD, then an FMA per block.
+//
+// Layout (gguf_native.pack_q4x8 writes it): weight rows in groups of 8, and per group and block
+// 128 bytes, four 32-byte vectors j: byte 4 i + t of vector j holds the code of row i at k = 8 j + t
+// in its low nibble and at k = 8 j + 4 + t in its high one. So int32 lane i of a VPMADDWD sum is
+// row i's dot product, against x's bytes [8 j, 8 j + 4) and [8 j + 4, 8 j + 8) broadcast to every
+// lane; d and m are float16 [N / 8, K / 32, 8] (a group's 8 rows together). The 8 rows' results
+// come out as one vector: no horizontal sums, and the scales of 8 rows are one load.
+//
+// Why: the float32 GEMV on dequantized codes needs 4 conversions and 4 FMAs per 32 weights and
+// activation row; this needs 2 VPMADDUBSW and 2 adds per 32 weights, and a VPMADDWD, a conversion
+// and two FMAs per block of 8 rows.
+struct QuantizedX {
+  std::vector<int8_t> q;   // [M, K]
+  std::vector<float> d, s;  // [M, K / 32]
+};
+
+QuantizedX quantize_rows_q8_1(const float* x, int64_t m, int64_t k) {
+  const int64_t nb = k / 32;
+  QuantizedX out{std::vector<int8_t>(m * k), std::vector<float>(m * nb), std::vector<float>(m * nb)};
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t i = 0; i < m * nb; ++i) {
+    const float* v = x + i * 32;
+    __m256 f[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      f[j] = _mm256_loadu_ps(v + 8 * j);
+      amax = _mm256_max_ps(amax, _mm256_and_ps(f[j], abs_mask));
+    }
+    __m128 a = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_max_ss(a, _mm_shuffle_ps(a, a, 1));
+    const float top = _mm_cvtss_f32(a), d = top / 127.f, id = top != 0.f ? 127.f / top : 0.f;
+    __m256i qi[4];
+    for (int j = 0; j < 4; ++j)
+      qi[j] = _mm256_cvtps_epi32(
+          _mm256_round_ps(_mm256_mul_ps(f[j], _mm256_set1_ps(id)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+    // int32 -> int8 in order: the packs interleave 128-bit lanes, the permute undoes it.
+    const __m256i q16 = _mm256_packs_epi32(qi[0], qi[1]), q16b = _mm256_packs_epi32(qi[2], qi[3]);
+    const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16, q16b), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + i * 32), q8);
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    out.d[i] = d;
+    out.s[i] = d * float(_mm_cvtsi128_si32(t));
+  }
+  return out;
+}
+
+inline __m256i bcast4(const int8_t* p) {  // 4 bytes into every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Group g (8 weight rows) against M quantized activation rows. The int16 sums of a block's 8
+// VPMADDUBSW products stay below 8 * 2 * 15 * 127 = 30480: no saturation.
+template <int M>
+void q4x8_group(const int8_t* xq, const float* xd, const float* xs, const uint8_t* w, const uint16_t* d,
+                const uint16_t* mn, float* y, int64_t k, int64_t n, int64_t g) {
+  const int64_t nb = k / 32;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const uint8_t* wg = w + g * nb * 128;
+  const uint16_t *dg = d + g * nb * 8, *mg = mn + g * nb * 8;
+  __m256 acc[M], off[M];
+  for (int i = 0; i < M; ++i) acc[i] = off[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i lo[4], hi[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + b * 128 + 32 * j));
+      lo[j] = _mm256_and_si256(v, low);
+      hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dg + b * 8)));
+    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mg + b * 8)));
+    for (int i = 0; i < M; ++i) {
+      const int8_t* xb = xq + i * k + b * 32;
+      __m256i p = _mm256_maddubs_epi16(lo[0], bcast4(xb));
+      p = _mm256_add_epi16(p, _mm256_maddubs_epi16(hi[0], bcast4(xb + 4)));
+      for (int j = 1; j < 4; ++j) {
+        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(lo[j], bcast4(xb + 8 * j)));
+        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(hi[j], bcast4(xb + 8 * j + 4)));
+      }
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+      acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(xd[i * nb + b])), acc[i]);
+      off[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[i * nb + b]), off[i]);
+    }
+  }
+  for (int i = 0; i < M; ++i) _mm256_storeu_ps(y + i * n + 8 * g, _mm256_add_ps(acc[i], off[i]));
+}
+
+// Any number of rows of x: each thread walks its groups in tiles that stay in L1 and runs every
+// chunk of up to kMaxRows activation rows over a tile. A row of the output depends only on its row
+// of x (its own quantization, the same block order), so the result does not depend on the batch.
+at::Tensor gemv_q4x8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mn) {
+  const int64_t groups = qs.size(0), nb = qs.size(1), n = 8 * groups, k = 32 * nb, m = x.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat && x.is_contiguous() && m >= 1,
+              "tessera_gemv.q4x8: x must be contiguous float32 [M, ", k, "]");
+  TORCH_CHECK(qs.dim() == 3 && qs.size(2) == 128 && qs.scalar_type() == at::kByte && qs.is_contiguous(),
+              "tessera_gemv.q4x8: qs must be contiguous uint8 [N / 8, K / 32, 128]");
+  for (const at::Tensor* t : {&d, &mn})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->numel() == n * nb,
+                "tessera_gemv.q4x8: d and m must be contiguous float16 [N / 8, K / 32, 8]");
+  const QuantizedX xq = quantize_rows_q8_1(x.data_ptr<float>(), m, k);
+  auto y = at::empty({m, n}, x.options());
+  const uint8_t* qp = qs.data_ptr<uint8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>());
+  float* yp = y.data_ptr<float>();
+  const int64_t tile = std::max<int64_t>(1, (16 << 10) / (nb * 128));  // groups of codes in 16 KiB
+  at::parallel_for(0, groups, 2, [&](int64_t g0, int64_t g1) {
+    for (int64_t t0 = g0; t0 < g1; t0 += tile) {
+      const int64_t t1 = std::min(t0 + tile, g1);
+      for (int64_t m0 = 0; m0 < m; m0 += kMaxRows)
+        dispatch_rows<1>(std::min(kMaxRows, m - m0), [&]<int M>() {
+          for (int64_t g = t0; g < t1; ++g)
+            q4x8_group<M>(xq.q.data() + m0 * k, xq.d.data() + m0 * nb, xq.s.data() + m0 * nb, qp, dp, mp,
+                          yp + m0 * n, k, n, g);
+        });
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 #pragma GCC pop_options
@@ -246,10 +379,12 @@ TORCH_LIBRARY(tessera_gemv, m) {
   m.def("int8(Tensor x, Tensor q, Tensor scale) -> Tensor");
   m.def("q8_0(Tensor x, Tensor codes, Tensor d) -> Tensor");
   m.def("int4pack(Tensor x, Tensor packed, Tensor scales_zeros, int group) -> Tensor");
+  m.def("q4x8(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tessera_gemv, CPU, m) {
   m.impl("int8", &gemv_int8);
   m.impl("q8_0", &gemv_q8_0);
   m.impl("int4pack", &gemv_int4pack);
+  m.impl("q4x8", &gemv_q4x8);
 }

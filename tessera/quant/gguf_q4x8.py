@@ -1,0 +1,123 @@
+"""GGUF Q4_0 / Q4_1 weights on int8 activations, for CPUs with AVX2 and no AVX-512 (Zen 3).
+
+The arithmetic llama.cpp and vLLM's GGUF kernels use: each row of x is quantized per 32 to int8
+(d_x = amax / 127, round to nearest even: llama.cpp's Q8_1) and the code products are summed in
+integers; per block W.x = d d_x sum q q_x + m s_x, with W = d q + m (Q4_0: m = -8 d, exact in
+float16) and s_x = d_x sum q_x. The kernel (tessera_gemv.q4x8, quant/csrc/gemv_avx2.cpp) takes the
+codes in groups of 8 rows interleaved so that one vector lane holds one row (its layout comment
+says how); `pack_q4x8` writes that layout from the file's blocks and `unpack_q4x8` reads it back.
+
+Against x @ dequantize().T the kernel adds the activation rounding: at most d_x / 2 per element,
+about 2^-8 of a block's largest activation. Every row count takes the same kernel and a row's result
+depends only on that row, so the layer is batch-invariant.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tessera.quant import native_gemv
+from tessera.quant.linear import QuantLinear, tile_rows_for, tiled_matmul
+
+BLOCK = 32
+GROUP = 8  # weight rows interleaved per group
+
+
+def decode_q4_blocks(blocks: np.ndarray, qtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0 (18-byte) or Q4_1 (20-byte) blocks uint8 [rows, K / 32, bytes] -> (codes as the file
+    stores them uint8 [rows, K / 2], d, m float16 [rows, K / 32]); W = d q + m."""
+    from gguf import GGMLQuantizationType as Q
+
+    rows = blocks.shape[0]
+    d = torch.from_numpy(np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].copy())
+    if qtype == Q.Q4_1:
+        m = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].copy())
+        codes = blocks[..., 4:]
+    else:  # d (q - 8) = d q - 8 d; times 8 is exact in float16 unless it overflows
+        m, codes = -8 * d, blocks[..., 2:]
+        if not torch.isfinite(m).all():
+            raise ValueError("a Q4_0 block scale overflows float16 once multiplied by 8")
+    return torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, -1).copy()), d, m
+
+
+def file_codes(qs: torch.Tensor) -> torch.Tensor:
+    """The file's packed codes [N, K / 2] (byte j of a block: weight j low, j + 16 high) -> [N, K]."""
+    b = qs.view(qs.shape[0], -1, BLOCK // 2)
+    return torch.cat([b & 15, b >> 4], dim=-1).view(qs.shape[0], -1)
+
+
+def pack_q4x8(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """codes uint8 [N, K] in 0..15, d and m [N, K / 32] -> the kernel's (qs [G, K / 32, 128], d, m
+    float16 [G, K / 32, 8]), G = ceil(N / 8); padding rows are zero codes and scales."""
+    n, k = codes.shape
+    pad = -n % GROUP
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad, k)])
+        d, m = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (d, m))
+    g, nb = (n + pad) // GROUP, k // BLOCK
+    # [group, row i, block, vector j, nibble h, t] -> [group, block, j, i, t, h]
+    c = codes.view(g, GROUP, nb, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+    qs = (c[..., 0] | (c[..., 1] << 4)).contiguous().view(g, nb, 128)
+
+    def scales(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.float16).view(g, GROUP, nb).transpose(1, 2).contiguous()
+
+    return qs, scales(d), scales(m)
+
+
+def unpack_q4x8(qs: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_q4x8's codes: [G, K / 32, 128] -> uint8 [8 G, K]."""
+    g, nb = qs.shape[:2]
+    v = qs.view(g, nb, 4, GROUP, 4)
+    c = torch.stack([v & 15, v >> 4], dim=-1)  # [group, block, j, i, t, h]
+    return c.permute(0, 3, 1, 2, 5, 4).reshape(g * GROUP, nb * BLOCK)
+
+
+class Q4BlocksLinear(QuantLinear):
+    """A GGUF Q4_0 or Q4_1 weight in the q4x8 layout (see the module doc). Kernels: "native"
+    (tessera_gemv.q4x8, any row count) and "dequant" (float tiles of d q + m: the reference)."""
+
+    def __init__(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
+        """qs: the file's codes uint8 [N, K / 2]; d, m: [N, K / 32]."""
+        n, k = qs.shape[0], 2 * qs.shape[1]
+        super().__init__(n, k)
+        packed, dp, mp = pack_q4x8(file_codes(qs), d, m)
+        self.register_buffer("qs", packed)
+        self.register_buffer("d", dp)
+        self.register_buffer("m", mp)
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        return (("native",) if native_gemv.avx2_only() and native_gemv.available() else ()) + ("dequant",)
+
+    def native_ok(self) -> bool:
+        return self.qs.device.type == "cpu" and "native" in self.kernels
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W = d q + m as float32 [len(ids), K]."""
+        g, i = ids // GROUP, ids % GROUP
+        q = unpack_q4x8(self.qs[g]).view(len(ids), GROUP, -1)[torch.arange(len(ids)), i].float()
+        d, m = self.d[g, :, i].float(), self.m[g, :, i].float()  # [len(ids), K / 32]
+        return (q.view(len(ids), -1, BLOCK) * d[..., None] + m[..., None]).view(len(ids), -1)
+
+    def _fill(self, start: int, end: int, tile: torch.Tensor) -> None:
+        tile.copy_(self._rows(torch.arange(start, end)))
+
+    def dequantize(self) -> torch.Tensor:
+        return self._rows(torch.arange(self.out_features))
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight as float32 [*ids.shape, in_features], exactly as dequantize()."""
+        return self._rows(ids.reshape(-1)).view(*ids.shape, self.in_features)
+
+    def select_kernel(self, num_rows: int) -> str:
+        return "native" if self.native_ok() else "dequant"
+
+    def run_kernel(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+        if kernel == "native":
+            y = native_gemv.gemv_q4x8(x, self.qs, self.d, self.m)
+            return y[:, : self.out_features] if y.shape[1] > self.out_features else y
+        if kernel != "dequant":
+            raise ValueError(f"unknown Q4 blocks kernel {kernel!r}; have {self.kernels}")
+        return tiled_matmul(x, self.out_features, tile_rows_for(self.in_features), self._fill)

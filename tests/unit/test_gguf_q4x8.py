@@ -1,0 +1,118 @@
+"""GGUF Q4_0 / Q4_1 on int8 activations (tessera/quant/gguf_q4x8.py, tessera_gemv.q4x8): the layout
+holds the file's weight, and the kernel equals the integer formula it implements (activations
+quantized per 32 to int8, llama.cpp's Q8_1), computed here from the file's bytes in float64."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+
+from tessera.quant import native_gemv
+from tessera.quant.gguf_native import _blocks
+from tessera.quant.gguf_q4x8 import Q4BlocksLinear, decode_q4_blocks, pack_q4x8, unpack_q4x8
+
+needs_kernel = pytest.mark.skipif(not (native_gemv.avx2_only() and native_gemv.available()),
+                                  reason="tessera_gemv.q4x8 is built on CPUs with AVX2 and no AVX-512")
+
+
+def quantized(qtype: Q, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, Q4BlocksLinear]:
+    """A random weight quantized by gguf-py (llama.cpp's rounding) and the layer built from its bytes."""
+    w = (np.random.default_rng(seed).standard_normal((n, k)) * 0.05).astype(np.float32)
+    raw = gguf.quants.quantize(w, qtype)
+    return raw, Q4BlocksLinear(*decode_q4_blocks(_blocks(raw, qtype, n), qtype))
+
+
+def q8_1(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (codes [M, K / 32, 32], d_x [M, K / 32]): d_x = amax / 127, codes round(x * 127 / amax)."""
+    blocks = x.view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1)
+    inv = torch.where(amax != 0, torch.full_like(amax, 127).div(amax), torch.zeros_like(amax))  # a true division
+    return (blocks * inv[..., None]).round(), amax / 127
+
+
+def reference(x: torch.Tensor, raw: np.ndarray, qtype: Q) -> torch.Tensor:
+    """sum over blocks of d d_x sum(q q_x) + m d_x sum(q_x), in float64, from the file's bytes."""
+    n = raw.shape[0]
+    blocks = _blocks(raw, qtype, n)
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64))
+    start = 4 if qtype == Q.Q4_1 else 2
+    m = (torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64))
+         if qtype == Q.Q4_1 else -8 * d)
+    packed = torch.from_numpy(blocks[..., start:].copy())
+    q = torch.cat([packed & 15, packed >> 4], dim=-1).double()  # [N, blocks, 32]: weight j low, j + 16 high
+    qx, dx = q8_1(x)
+    dot = torch.einsum("nbk,mbk->mnb", q, qx.double())
+    return (dot * d[None] * dx.double()[:, None]).sum(-1) + (m[None] * (dx.double() * qx.double().sum(-1))[:, None]).sum(-1)
+
+
+@pytest.mark.parametrize("n", [8, 37, 200])
+def test_pack_and_unpack_are_inverse(n):
+    codes = torch.randint(0, 16, (n, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    d, m = torch.rand(n, 3), torch.rand(n, 3)
+    qs, dp, mp = pack_q4x8(codes, d, m)
+    assert qs.shape == (-(-n // 8), 3, 128) and dp.shape == mp.shape == (-(-n // 8), 3, 8)
+    back = unpack_q4x8(qs)
+    assert torch.equal(back[:n], codes) and not back[n:].any()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_layer_holds_the_files_weight(qtype):
+    raw, layer = quantized(qtype, 37, 96)
+    want = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
+    # Q4_1: d q + m as the file's dequantization, bit for bit; Q4_0: d q - 8 d against d (q - 8)
+    torch.testing.assert_close(layer.dequantize(), want, rtol=0 if qtype == Q.Q4_1 else 1e-6,
+                               atol=0 if qtype == Q.Q4_1 else 1e-7)
+    ids = torch.tensor([[36, 0], [9, 9]])
+    assert torch.equal(layer.dequantize_rows(ids), layer.dequantize()[ids])
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+@pytest.mark.parametrize("n,k", [(960, 576), (37, 64), (16, 1536)])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 20])
+def test_kernel_equals_the_int8_formula(qtype, n, k, m):
+    raw, layer = quantized(qtype, n, k, seed=n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+    got = layer(x, kernel="native")
+    want = reference(x, raw, qtype)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    # only float32 rounding of the per-block products and sums separates the two
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6 * float(want.abs().max()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_kernel_error_against_float_activations_is_the_rounding_of_x(qtype):
+    """|native - x W^T| <= sum_k |W| d_x / 2: the int8 activation's rounding, and nothing else."""
+    raw, layer = quantized(qtype, 64, 576, seed=3)
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(5))
+    w = layer.dequantize().double()
+    exact = F.linear(x.double(), w)
+    _, dx = q8_1(x)
+    bound = torch.einsum("nbk,mb->mn", w.abs().view(64, -1, 32), dx.double()) / 2
+    err = (layer(x, kernel="native").double() - exact).abs()
+    assert (err <= bound * 1.0001 + 1e-6).all()
+    assert err.max() > 0  # the activations were rounded (a kernel on float x would be far closer)
+
+
+@needs_kernel
+def test_rows_do_not_depend_on_the_batch():
+    _, layer = quantized(Q.Q4_1, 200, 576, seed=7)
+    x = torch.randn(20, 576, generator=torch.Generator().manual_seed(20))
+    together = layer(x, kernel="native")
+    for i in (0, 7, 8, 19):
+        assert torch.equal(layer(x[i : i + 1], kernel="native"), together[i : i + 1])
+    assert torch.equal(layer(torch.zeros(2, 576), kernel="native"), torch.zeros(2, 200))
+
+
+@needs_kernel
+def test_kernel_rejects_bad_input():
+    _, layer = quantized(Q.Q4_1, 16, 64)
+    with pytest.raises(RuntimeError, match=r"x must be contiguous float32 \[M, 64\]"):
+        torch.ops.tessera_gemv.q4x8(torch.randn(1, 32), layer.qs, layer.d, layer.m)
+    with pytest.raises(RuntimeError, match="d and m must be contiguous float16"):
+        torch.ops.tessera_gemv.q4x8(torch.randn(1, 64), layer.qs, layer.d.float(), layer.m)
