@@ -92,8 +92,9 @@ def _linear_spec(w) -> tuple[int, int, list[torch.Tensor | None]]:
     kinds), or kind -1: no batch-invariant kernel the stack knows."""
     from tessera.kernels.linear import InvariantLinear
     from tessera.quant import invariant
+    from tessera.quant.gguf_int8_activations import Q4BlocksLinear, Q8BlocksLinear
     from tessera.quant.gguf_kquant import GGUFBlockLinear
-    from tessera.quant.gguf_native import Q4BlocksLinear, Q8_0Linear
+    from tessera.quant.gguf_native import Q8_0Linear
     from tessera.quant.gguf_tiles import KIND
     from tessera.quant.int4 import Int4Linear
     from tessera.quant.int8 import Int8Linear
@@ -105,6 +106,8 @@ def _linear_spec(w) -> tuple[int, int, list[torch.Tensor | None]]:
         return (0 if w.dtype == torch.bfloat16 else 1), 0, [w.packed]
     if kind is Q4BlocksLinear and w.native_ok():  # float32 x only (the stack's dtype is checked)
         return 5, 0, [w.qs, w.d, w.m]
+    if kind is Q8BlocksLinear and w.native_ok():
+        return 6, 0, [w.qs, w.d]
     if not getattr(w, "invariant", False):
         return -1, 0, []
     if kind is Int4Linear:
@@ -148,7 +151,7 @@ def _unsupported(model) -> str | None:
         for w in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             kind = _linear_spec(w)[0]
             if kind < 0 or (type(w) is InvariantLinear and w.dtype != model.dtype) or (
-                    kind == 5 and model.dtype != torch.float32):
+                    kind in (5, 6) and model.dtype != torch.float32):
                 return f"layer {i} has a weight off the batch-invariant kernels ({type(w).__name__})"
         if attn.qkv_bias is not None and attn.qkv_bias.dtype != model.dtype:
             return f"layer {i}'s qkv bias is not {model.dtype}"

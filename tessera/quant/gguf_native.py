@@ -9,13 +9,15 @@ In Q4 blocks byte j holds weight j in its low nibble and weight j + 16 in its hi
 Q4_0 and Q4_1: on AMX CPUs the KQ tiles of gguf_tiles.py (GGUFBlockLinear), W computed in float32
 as the file's own dequantization and rounded to bf16 per tile, as the bf16 engine rounds its weight,
 so the mode gives that engine's tokens from a third of the memory (session 29). On CPUs with AVX2
-and no AVX-512 (Zen 3) the file's blocks as they are (Q4BlocksLinear): activations quantized to
-int8 per 32 and integer dot products, as llama.cpp and vLLM's GGUF kernels compute. Elsewhere they
+and no AVX-512 (Zen 3) the file's codes and scales (Q4BlocksLinear, and Q8BlocksLinear for Q8_0):
+activations quantized to int8 per 32 and integer dot products, as llama.cpp and vLLM's GGUF kernels
+compute (gguf_int8_activations.py). Elsewhere they
 map onto the int4 kernel's format with group size 32 (scale d, zero point 0 or m + 8d): the codes
 are kept as they are, the scales rounded from float16 to bfloat16 (a relative change of at most
 2^-8 per block scale, far below the 4-bit step), for the faster grouped AVX-512 arithmetic of Zen 4/5.
-Q8_0 keeps its int8 codes and float16 scales as they are and is dequantized in row tiles of about
-2 MiB into the activation dtype for each call (no int8 kernel with per-32 scales exists in torch).
+Q8_0 (where not on int8 activations as above) keeps its int8 codes and float16 scales as they are:
+the batch-invariant kernel where it exists, the float32 C++ GEMV at decode sizes, else row tiles of
+about 2 MiB dequantized into the activation dtype for each call.
 Q5_0, Q5_1, Q4_K, Q5_K and Q6_K tensors keep their file bytes and decode row tiles per call
 (gguf_kquant.py). A fused slot (qkv, gate_up) whose parts have different block types becomes a
 `ConcatLinear` of one layer per part. Float tensors keep the float weight the loader made.
@@ -32,8 +34,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from tessera.quant import invariant, native_gemv
+from tessera.quant.gguf_int8_activations import Q4BlocksLinear, Q8BlocksLinear, decode_q4_blocks
 from tessera.quant.gguf_kquant import KQUANT_TYPES, GGUFBlockLinear
-from tessera.quant.gguf_q4x8 import Q4BlocksLinear, decode_q4_blocks
 from tessera.quant.int4 import Int4Linear
 from tessera.quant.linear import QuantLinear, tile_rows_for, tiled_matmul
 
@@ -174,8 +176,11 @@ def _decode(tensor) -> tuple | None:
         # --quantization none); INT4's scale and zero would round d and m to bf16 first. Without
         # AMX, INT4's grouped AVX-512 arithmetic is the faster one and stays.
         return (tensor.tensor_type.name, raw_rows(tensor))
-    if tensor.tensor_type in (Q.Q4_0, Q.Q4_1) and native_gemv.avx2_only() and native_gemv.available():
-        return ("q4_blocks", *decode_q4_blocks(_blocks(tensor.data, tensor.tensor_type, rows), tensor.tensor_type))
+    if native_gemv.avx2_only() and native_gemv.available():  # int8 activations (gguf_int8_activations.py)
+        if tensor.tensor_type in (Q.Q4_0, Q.Q4_1):
+            return ("q4_blocks", *decode_q4_blocks(_blocks(tensor.data, tensor.tensor_type, rows), tensor.tensor_type))
+        if tensor.tensor_type == Q.Q8_0:
+            return ("q8_blocks", *decode_q8_0(tensor.data, rows))
     if tensor.tensor_type == Q.Q4_0:
         codes, d = decode_q4_0(tensor.data, rows)
         return ("int4", codes, d, torch.zeros_like(d))
@@ -195,6 +200,8 @@ def _layer(kind: str, parts: list[torch.Tensor]) -> QuantLinear:
         return Q8_0Linear(*parts)
     if kind == "q4_blocks":
         return Q4BlocksLinear(*parts)
+    if kind == "q8_blocks":
+        return Q8BlocksLinear(*parts)
     return GGUFBlockLinear(*parts, Q[kind])
 
 

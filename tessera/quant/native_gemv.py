@@ -9,8 +9,9 @@ tessera/native.py); when either is missing `available()` is False and the QuantL
 keep their torch kernels. Ops: torch.ops.tessera_gemv.{int8, q8_0, int4pack}, with fake (meta)
 kernels so torch.compile can trace through them. The int4 op reads torch's packed layout of the
 machine: 64-row blocks where torch packs for AVX-512, 32-row blocks on AVX2 (`INT4_BLOCK_ROWS`).
-On AVX2 only, `tessera_gemv.q4x8` computes GGUF Q4_0/Q4_1 blocks on int8-quantized
-activations (llama.cpp's arithmetic) for any number of rows (gguf_native.Q4BlocksLinear).
+On AVX2 only, `tessera_gemv.q4x8` and `q8x8` compute GGUF Q4_0/Q4_1 and Q8_0 blocks on
+int8-quantized activations (llama.cpp's arithmetic) for any number of rows
+(gguf_int8_activations.py).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def _register_fakes() -> None:
     torch.library.register_fake("tessera_gemv::int4pack")(lambda x, packed, sz, group: out(x, sz.shape[1]))
     if avx2_only():
         torch.library.register_fake("tessera_gemv::q4x8")(lambda x, qs, d, m: out(x, 8 * qs.shape[0]))
+        torch.library.register_fake("tessera_gemv::q8x8")(lambda x, qs, d: out(x, 8 * qs.shape[0]))
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -108,6 +110,12 @@ def gemv_int4pack(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Ten
 
 
 def gemv_q4x8(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ W.T for GGUF Q4 blocks in the q4x8 layout (gguf_q4x8.py) -> [M, 8 * groups],
+    """x [M, K] @ W.T for GGUF Q4 blocks in the q4x8 layout (gguf_int8_activations.py) -> [M, 8 * groups],
     x quantized to int8 per 32 first; any M (AVX2-only CPUs, gemv_avx2.cpp)."""
     return torch.ops.tessera_gemv.q4x8(_f32(x), qs, d, m).to(x.dtype)
+
+
+def gemv_q8x8(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ W.T for a GGUF Q8_0 weight in the q8x8 layout (gguf_int8_activations.py) -> [M, 8 *
+    groups], x quantized to int8 per 32 first; any M (AVX2-only CPUs, gemv_avx2.cpp)."""
+    return torch.ops.tessera_gemv.q8x8(_f32(x), qs, d).to(x.dtype)

@@ -111,11 +111,11 @@ def test_native_stack_equals_modules_quantized(tiny_model_factory, quantization)
 
 
 @pytest.mark.skipif(not (native_gemv.avx2_only() and native_gemv.available()),
-                    reason="the int8-activation Q4 kernel is the AVX2-only GEMV's (gemv_avx2.cpp)")
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
-def test_native_stack_equals_modules_gguf_q4_blocks(tiny_model_factory, tmp_path, qtype):
-    """--quantization gguf on a CPU with AVX2 and no AVX-512: every layer's Q4 blocks on
-    tessera_gemv.q4x8 through the stack (kind 5), for prefill chunks and decodes alike."""
+                    reason="the int8-activation kernels are the AVX2-only GEMV's (gemv_avx2.cpp)")
+@pytest.mark.parametrize("qtype,kind", [("Q4_0", 5), ("Q4_1", 5), ("Q8_0", 6)])
+def test_native_stack_equals_modules_gguf_int8_activations(tiny_model_factory, tmp_path, qtype, kind):
+    """--quantization gguf on a CPU with AVX2 and no AVX-512: every layer's blocks on
+    tessera_gemv.q4x8 / q8x8 through the stack (kinds 5, 6), for prefill chunks and decodes alike."""
     from gguf import GGMLQuantizationType as Q
 
     model_dir = tiny_model_factory(hidden_size=128, intermediate_size=256)
@@ -123,7 +123,7 @@ def test_native_stack_equals_modules_gguf_q4_blocks(tiny_model_factory, tmp_path
     kw = dict(quantization="gguf", max_num_batched_tokens=32)
     native, engine = _run(path, "float32", eager=False, **kw)
     assert engine.runner.model.native_stack is not None
-    assert set(engine.runner.model.native_stack.lin_meta[::2]) == {5}
+    assert set(engine.runner.model.native_stack.lin_meta[::2]) == {kind}
     eager, _ = _run(path, "float32", eager=True, **kw)
     assert native == eager
 

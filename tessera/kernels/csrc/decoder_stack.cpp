@@ -21,8 +21,9 @@
 //   4 bf16 InvariantLinear with its GGUF blocks (tessera/quant/gguf_codes.py): packed, then codes,
 //     planes, sup; calls of up to kCodesMaxRows rows without a bias take kqgemm(format = the KQ
 //     kind) on the blocks, the others linear_bf16: the same bits either way, fewer bytes at decode;
-//   5 GGUF Q4_0/Q4_1 blocks on AVX2 (gguf_q4x8.Q4BlocksLinear, float32 x): tessera_gemv::q4x8(qs, d,
-//     m), its columns past n (padding rows) dropped and its bias added after it, as the module does;
+//   5, 6 GGUF Q4_0/Q4_1 and Q8_0 blocks on int8 activations (AVX2 only, float32 x; tessera/quant/
+//     gguf_int8_activations.py): tessera_gemv::q4x8(x, qs, d, m) and q8x8(x, qs, d), their columns
+//     past n (padding rows) dropped and their bias added after them, as the modules do;
 // an optional qkv bias per layer, the KV cache pair per layer in `kv`, and the step's rotary
 // tables, slots and attention plan (the tensors tessera/attention/invariant_cpu.py's _kernel_plan
 // makes). dims = (heads, kv heads, head_dim, hidden, intermediate); windows = each layer's
@@ -81,10 +82,11 @@ at::Tensor quant_linear(const at::Tensor& x, const c10::List<OptTensor>& t, int6
                                             int64_t, int64_t, int64_t)>("tessera_qgemm::qgemm");
     return qgemm.call(x, *get(0), *get(1), get(2), fmt, n, x.size(1));
   }
-  if (kind == 5) {  // tessera_gemv is another library too (native_gemv.py loads it)
+  if (kind == 5 || kind == 6) {  // tessera_gemv is another library too (native_gemv.py loads it)
     static const auto q4 = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
         "tessera_gemv::q4x8");
-    at::Tensor y = q4.call(x.contiguous(), *get(0), *get(1), *get(2));
+    static const auto q8 = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>("tessera_gemv::q8x8");
+    at::Tensor y = kind == 5 ? q4.call(x.contiguous(), *get(0), *get(1), *get(2)) : q8.call(x.contiguous(), *get(0), *get(1));
     return y.size(1) > n ? y.narrow(1, 0, n).contiguous() : y;
   }
   TORCH_CHECK(kind == 3, "decoder_stack: unknown linear kind ", kind);

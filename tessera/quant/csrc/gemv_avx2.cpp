@@ -246,7 +246,7 @@ at::Tensor gemv_int4pack(const at::Tensor& x, const at::Tensor& packed, const at
 // W.x over the block is d d_x sum q q_x + m s_x: the integer sum in VPMADDUBSW (unsigned codes
 // times signed activations, pairs into int16) and VPMADDWD, then an FMA per block.
 //
-// Layout (gguf_native.pack_q4x8 writes it): weight rows in groups of 8, and per group and block
+// Layout (gguf_int8_activations.pack_q4x8 writes it): weight rows in groups of 8, and per group and block
 // 128 bytes, four 32-byte vectors j: byte 4 i + t of vector j holds the code of row i at k = 8 j + t
 // in its low nibble and at k = 8 j + 4 + t in its high one. So int32 lane i of a VPMADDWD sum is
 // row i's dot product, against x's bytes [8 j, 8 j + 4) and [8 j + 4, 8 j + 8) broadcast to every
@@ -338,37 +338,95 @@ void q4x8_group(const int8_t* xq, const float* xd, const float* xs, const uint8_
   for (int i = 0; i < M; ++i) _mm256_storeu_ps(y + i * n + 8 * g, _mm256_add_ps(acc[i], off[i]));
 }
 
-// Any number of rows of x: each thread walks its groups in tiles that stay in L1 and runs every
-// chunk of up to kMaxRows activation rows over a tile. A row of the output depends only on its row
-// of x (its own quantization, the same block order), so the result does not depend on the batch.
-at::Tensor gemv_q4x8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mn) {
-  const int64_t groups = qs.size(0), nb = qs.size(1), n = 8 * groups, k = 32 * nb, m = x.size(0);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat && x.is_contiguous() && m >= 1,
-              "tessera_gemv.q4x8: x must be contiguous float32 [M, ", k, "]");
-  TORCH_CHECK(qs.dim() == 3 && qs.size(2) == 128 && qs.scalar_type() == at::kByte && qs.is_contiguous(),
-              "tessera_gemv.q4x8: qs must be contiguous uint8 [N / 8, K / 32, 128]");
-  for (const at::Tensor* t : {&d, &mn})
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->numel() == n * nb,
-                "tessera_gemv.q4x8: d and m must be contiguous float16 [N / 8, K / 32, 8]");
+// Group g of a Q8_0 weight in the q8x8 layout (gguf_int8_activations.pack_q8x8) against M quantized
+// activation rows: per group and block 256 bytes, eight 32-byte vectors j, byte 4 i + t of vector j
+// row i's code at k = 4 j + t; d float16 [N / 8, K / 32, 8]. VPMADDUBSW takes its unsigned operand
+// first, so |w| meets x with w's sign (VPSIGNB), as llama.cpp does: pair sums of at most
+// 2 * 128 * 127, no saturation, each vector's summed into int32.
+template <int M>
+void q8x8_group(const int8_t* xq, const float* xd, const uint8_t* w, const uint16_t* d, float* y, int64_t k,
+                int64_t n, int64_t g) {
+  const int64_t nb = k / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const uint8_t* wg = w + g * nb * 256;
+  const uint16_t* dg = d + g * nb * 8;
+  __m256 acc[M];
+  for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i isum[M];
+    for (int i = 0; i < M; ++i) isum[i] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + b * 256 + 32 * j));
+      const __m256i a = _mm256_abs_epi8(v);
+      for (int i = 0; i < M; ++i) {
+        const __m256i sx = _mm256_sign_epi8(bcast4(xq + i * k + b * 32 + 4 * j), v);
+        isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(a, sx), ones));
+      }
+    }
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dg + b * 8)));
+    for (int i = 0; i < M; ++i)
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(dw, _mm256_set1_ps(xd[i * nb + b])), acc[i]);
+  }
+  for (int i = 0; i < M; ++i) _mm256_storeu_ps(y + i * n + 8 * g, acc[i]);
+}
+
+// x [M, K] against `groups` groups of 8 weight rows -> y [M, 8 groups], any M: x is quantized once,
+// then each thread walks its groups in tiles of about 16 KiB of codes (which stay in L1) and runs
+// every chunk of up to kMaxRows activation rows over a tile: group(M, x codes, d_x, s_x, y, g). A
+// row of the output depends only on its row of x (its own quantization, the same block order), so
+// the result does not depend on the batch.
+template <typename Group>
+at::Tensor x8_groups(const at::Tensor& x, int64_t groups, int64_t k, int64_t group_bytes, Group&& group) {
+  const int64_t m = x.size(0), n = 8 * groups, nb = k / 32;
   const QuantizedX xq = quantize_rows_q8_1(x.data_ptr<float>(), m, k);
   auto y = at::empty({m, n}, x.options());
-  const uint8_t* qp = qs.data_ptr<uint8_t>();
-  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
-  const uint16_t* mp = reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
-  const int64_t tile = std::max<int64_t>(1, (16 << 10) / (nb * 128));  // groups of codes in 16 KiB
+  const int64_t tile = std::max<int64_t>(1, (16 << 10) / group_bytes);
   at::parallel_for(0, groups, 2, [&](int64_t g0, int64_t g1) {
     for (int64_t t0 = g0; t0 < g1; t0 += tile) {
       const int64_t t1 = std::min(t0 + tile, g1);
       for (int64_t m0 = 0; m0 < m; m0 += kMaxRows)
         dispatch_rows<1>(std::min(kMaxRows, m - m0), [&]<int M>() {
           for (int64_t g = t0; g < t1; ++g)
-            q4x8_group<M>(xq.q.data() + m0 * k, xq.d.data() + m0 * nb, xq.s.data() + m0 * nb, qp, dp, mp,
-                          yp + m0 * n, k, n, g);
+            group.template operator()<M>(xq.q.data() + m0 * k, xq.d.data() + m0 * nb, xq.s.data() + m0 * nb,
+                                         yp + m0 * n, g);
         });
     }
   });
   return y;
+}
+
+void check_x8(const char* op, const at::Tensor& x, int64_t k, const at::Tensor& qs, int64_t block_bytes) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(0) >= 1,
+              "tessera_gemv.", op, ": x must be contiguous float32 [M, ", k, "]");
+  TORCH_CHECK(qs.dim() == 3 && qs.size(2) == block_bytes && qs.scalar_type() == at::kByte && qs.is_contiguous(),
+              "tessera_gemv.", op, ": qs must be contiguous uint8 [N / 8, K / 32, ", block_bytes, "]");
+}
+
+at::Tensor gemv_q4x8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mn) {
+  const int64_t groups = qs.size(0), nb = qs.size(1), k = 32 * nb;
+  check_x8("q4x8", x, k, qs, 128);
+  for (const at::Tensor* t : {&d, &mn})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->numel() == 8 * groups * nb,
+                "tessera_gemv.q4x8: d and m must be contiguous float16 [N / 8, K / 32, 8]");
+  const uint8_t* qp = qs.data_ptr<uint8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>());
+  const int64_t n = 8 * groups;
+  return x8_groups(x, groups, k, nb * 128, [&]<int M>(const int8_t* xq, const float* xd, const float* xs, float* y,
+                                                       int64_t g) { q4x8_group<M>(xq, xd, xs, qp, dp, mp, y, k, n, g); });
+}
+
+at::Tensor gemv_q8x8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
+  const int64_t groups = qs.size(0), nb = qs.size(1), k = 32 * nb;
+  check_x8("q8x8", x, k, qs, 256);
+  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.numel() == 8 * groups * nb,
+              "tessera_gemv.q8x8: d must be contiguous float16 [N / 8, K / 32, 8]");
+  const uint8_t* qp = qs.data_ptr<uint8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const int64_t n = 8 * groups;
+  return x8_groups(x, groups, k, nb * 256, [&]<int M>(const int8_t* xq, const float* xd, const float*, float* y,
+                                                       int64_t g) { q8x8_group<M>(xq, xd, qp, dp, y, k, n, g); });
 }
 
 }  // namespace
@@ -380,6 +438,7 @@ TORCH_LIBRARY(tessera_gemv, m) {
   m.def("q8_0(Tensor x, Tensor codes, Tensor d) -> Tensor");
   m.def("int4pack(Tensor x, Tensor packed, Tensor scales_zeros, int group) -> Tensor");
   m.def("q4x8(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor");
+  m.def("q8x8(Tensor x, Tensor qs, Tensor d) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tessera_gemv, CPU, m) {
@@ -387,4 +446,5 @@ TORCH_LIBRARY_IMPL(tessera_gemv, CPU, m) {
   m.impl("q8_0", &gemv_q8_0);
   m.impl("int4pack", &gemv_int4pack);
   m.impl("q4x8", &gemv_q4x8);
+  m.impl("q8x8", &gemv_q8x8);
 }

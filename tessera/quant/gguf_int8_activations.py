@@ -1,15 +1,16 @@
-"""GGUF Q4_0 / Q4_1 weights on int8 activations, for CPUs with AVX2 and no AVX-512 (Zen 3).
+"""GGUF Q4_0 / Q4_1 / Q8_0 weights on int8 activations, for CPUs with AVX2 and no AVX-512 (Zen 3).
 
 The arithmetic llama.cpp and vLLM's GGUF kernels use: each row of x is quantized per 32 to int8
 (d_x = amax / 127, round to nearest even: llama.cpp's Q8_1) and the code products are summed in
-integers; per block W.x = d d_x sum q q_x + m s_x, with W = d q + m (Q4_0: m = -8 d, exact in
-float16) and s_x = d_x sum q_x. The kernel (tessera_gemv.q4x8, quant/csrc/gemv_avx2.cpp) takes the
-codes in groups of 8 rows interleaved so that one vector lane holds one row (its layout comment
-says how); `pack_q4x8` writes that layout from the file's blocks and `unpack_q4x8` reads it back.
+integers; per block W.x = d d_x sum q q_x (+ m s_x for W = d q + m: Q4_1, and Q4_0 with m = -8 d,
+exact in float16; s_x = d_x sum q_x). The kernels (tessera_gemv.q4x8 and q8x8,
+quant/csrc/gemv_avx2.cpp) take the codes in groups of 8 rows interleaved so that one vector lane
+holds one row (their layout comments say how); `pack_q4x8` / `pack_q8x8` write those layouts from
+the file's blocks and the `unpack_*` functions read them back.
 
-Against x @ dequantize().T the kernel adds the activation rounding: at most d_x / 2 per element,
-about 2^-8 of a block's largest activation. Every row count takes the same kernel and a row's result
-depends only on that row, so the layer is batch-invariant.
+Against x @ dequantize().T the kernels add the activation rounding: at most d_x / 2 per element,
+about 2^-8 of a block's largest activation. Every row count takes the same kernel and a row's
+result depends only on that row, so the layers are batch-invariant.
 """
 
 from __future__ import annotations
@@ -66,6 +67,25 @@ def pack_q4x8(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[to
     return qs, scales(d), scales(m)
 
 
+def pack_q8x8(codes: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes [N, K], d [N, K / 32] -> the kernel's (qs uint8 [G, K / 32, 256], d float16
+    [G, K / 32, 8]); padding rows are zero."""
+    n, k = codes.shape
+    pad = -n % GROUP
+    if pad:
+        codes, d = torch.cat([codes, codes.new_zeros(pad, k)]), torch.cat([d, d.new_zeros(pad, d.shape[1])])
+    g, nb = (n + pad) // GROUP, k // BLOCK
+    # [group, row i, block, vector j, t] -> [group, block, j, i, t]
+    qs = codes.view(torch.uint8).view(g, GROUP, nb, 8, 4).permute(0, 2, 3, 1, 4).contiguous().view(g, nb, 256)
+    return qs, d.to(torch.float16).view(g, GROUP, nb).transpose(1, 2).contiguous()
+
+
+def unpack_q8x8(qs: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_q8x8's codes: [G, K / 32, 256] -> int8 [8 G, K]."""
+    g, nb = qs.shape[:2]
+    return qs.view(g, nb, 8, GROUP, 4).permute(0, 3, 1, 2, 4).reshape(g * GROUP, nb * BLOCK).view(torch.int8)
+
+
 def unpack_q4x8(qs: torch.Tensor) -> torch.Tensor:
     """The inverse of pack_q4x8's codes: [G, K / 32, 128] -> uint8 [8 G, K]."""
     g, nb = qs.shape[:2]
@@ -74,18 +94,9 @@ def unpack_q4x8(qs: torch.Tensor) -> torch.Tensor:
     return c.permute(0, 3, 1, 2, 5, 4).reshape(g * GROUP, nb * BLOCK)
 
 
-class Q4BlocksLinear(QuantLinear):
-    """A GGUF Q4_0 or Q4_1 weight in the q4x8 layout (see the module doc). Kernels: "native"
-    (tessera_gemv.q4x8, any row count) and "dequant" (float tiles of d q + m: the reference)."""
-
-    def __init__(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
-        """qs: the file's codes uint8 [N, K / 2]; d, m: [N, K / 32]."""
-        n, k = qs.shape[0], 2 * qs.shape[1]
-        super().__init__(n, k)
-        packed, dp, mp = pack_q4x8(file_codes(qs), d, m)
-        self.register_buffer("qs", packed)
-        self.register_buffer("d", dp)
-        self.register_buffer("m", mp)
+class _Int8ActivationLinear(QuantLinear):
+    """Kernels: "native" (the int8-activation kernel, any row count) and "dequant" (float tiles of
+    the file's dequantized weight: the reference)."""
 
     @property
     def kernels(self) -> tuple[str, ...]:
@@ -95,11 +106,8 @@ class Q4BlocksLinear(QuantLinear):
         return self.qs.device.type == "cpu" and "native" in self.kernels
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of W = d q + m as float32 [len(ids), K]."""
-        g, i = ids // GROUP, ids % GROUP
-        q = unpack_q4x8(self.qs[g]).view(len(ids), GROUP, -1)[torch.arange(len(ids)), i].float()
-        d, m = self.d[g, :, i].float(), self.m[g, :, i].float()  # [len(ids), K / 32]
-        return (q.view(len(ids), -1, BLOCK) * d[..., None] + m[..., None]).view(len(ids), -1)
+        """Rows `ids` (1-D) of the weight as float32 [len(ids), K]."""
+        raise NotImplementedError
 
     def _fill(self, start: int, end: int, tile: torch.Tensor) -> None:
         tile.copy_(self._rows(torch.arange(start, end)))
@@ -114,10 +122,53 @@ class Q4BlocksLinear(QuantLinear):
     def select_kernel(self, num_rows: int) -> str:
         return "native" if self.native_ok() else "dequant"
 
+    def _native(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def run_kernel(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
         if kernel == "native":
-            y = native_gemv.gemv_q4x8(x, self.qs, self.d, self.m)
+            y = self._native(x)
             return y[:, : self.out_features] if y.shape[1] > self.out_features else y
         if kernel != "dequant":
-            raise ValueError(f"unknown Q4 blocks kernel {kernel!r}; have {self.kernels}")
+            raise ValueError(f"unknown {self.method or type(self).__name__} kernel {kernel!r}; have {self.kernels}")
         return tiled_matmul(x, self.out_features, tile_rows_for(self.in_features), self._fill)
+
+
+class Q4BlocksLinear(_Int8ActivationLinear):
+    """A GGUF Q4_0 or Q4_1 weight in the q4x8 layout: W = d q + m."""
+
+    def __init__(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
+        """qs: the file's codes uint8 [N, K / 2]; d, m: [N, K / 32]."""
+        super().__init__(qs.shape[0], 2 * qs.shape[1])
+        packed, dp, mp = pack_q4x8(file_codes(qs), d, m)
+        self.register_buffer("qs", packed)
+        self.register_buffer("d", dp)
+        self.register_buffer("m", mp)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        g, i = ids // GROUP, ids % GROUP
+        q = unpack_q4x8(self.qs[g]).view(len(ids), GROUP, -1)[torch.arange(len(ids)), i].float()
+        d, m = self.d[g, :, i].float(), self.m[g, :, i].float()  # [len(ids), K / 32]
+        return (q.view(len(ids), -1, BLOCK) * d[..., None] + m[..., None]).view(len(ids), -1)
+
+    def _native(self, x: torch.Tensor) -> torch.Tensor:
+        return native_gemv.gemv_q4x8(x, self.qs, self.d, self.m)
+
+
+class Q8BlocksLinear(_Int8ActivationLinear):
+    """A GGUF Q8_0 weight in the q8x8 layout: W = d q."""
+
+    def __init__(self, codes: torch.Tensor, d: torch.Tensor) -> None:
+        """codes: int8 [N, K]; d: [N, K / 32] (the file's float16 scales)."""
+        super().__init__(*codes.shape)
+        packed, dp = pack_q8x8(codes, d)
+        self.register_buffer("qs", packed)
+        self.register_buffer("d", dp)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        g, i = ids // GROUP, ids % GROUP
+        q = unpack_q8x8(self.qs[g]).view(len(ids), GROUP, -1)[torch.arange(len(ids)), i].float()
+        return (q.view(len(ids), -1, BLOCK) * self.d[g, :, i].float()[..., None]).view(len(ids), -1)
+
+    def _native(self, x: torch.Tensor) -> torch.Tensor:
+        return native_gemv.gemv_q8x8(x, self.qs, self.d)

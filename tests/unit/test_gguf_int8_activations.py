@@ -1,6 +1,7 @@
-"""GGUF Q4_0 / Q4_1 on int8 activations (tessera/quant/gguf_q4x8.py, tessera_gemv.q4x8): the layout
-holds the file's weight, and the kernel equals the integer formula it implements (activations
-quantized per 32 to int8, llama.cpp's Q8_1), computed here from the file's bytes in float64."""
+"""GGUF Q4_0 / Q4_1 / Q8_0 on int8 activations (tessera/quant/gguf_int8_activations.py,
+tessera_gemv.q4x8 and q8x8): the layouts hold the file's weight, and the kernels equal the integer
+formula they implement (activations quantized per 32 to int8, llama.cpp's Q8_1), computed here from
+the file's bytes in float64."""
 
 from __future__ import annotations
 
@@ -12,17 +13,30 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
 from tessera.quant import native_gemv
-from tessera.quant.gguf_native import _blocks
-from tessera.quant.gguf_q4x8 import Q4BlocksLinear, decode_q4_blocks, pack_q4x8, unpack_q4x8
+from tessera.quant.gguf_int8_activations import (
+    Q4BlocksLinear,
+    Q8BlocksLinear,
+    decode_q4_blocks,
+    pack_q4x8,
+    pack_q8x8,
+    unpack_q4x8,
+    unpack_q8x8,
+)
+from tessera.quant.gguf_native import _blocks, decode_q8_0
 
 needs_kernel = pytest.mark.skipif(not (native_gemv.avx2_only() and native_gemv.available()),
                                   reason="tessera_gemv.q4x8 is built on CPUs with AVX2 and no AVX-512")
 
 
-def quantized(qtype: Q, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, Q4BlocksLinear]:
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+
+
+def quantized(qtype: Q, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, Q4BlocksLinear | Q8BlocksLinear]:
     """A random weight quantized by gguf-py (llama.cpp's rounding) and the layer built from its bytes."""
     w = (np.random.default_rng(seed).standard_normal((n, k)) * 0.05).astype(np.float32)
     raw = gguf.quants.quantize(w, qtype)
+    if qtype == Q.Q8_0:
+        return raw, Q8BlocksLinear(*decode_q8_0(raw, n))
     return raw, Q4BlocksLinear(*decode_q4_blocks(_blocks(raw, qtype, n), qtype))
 
 
@@ -39,11 +53,14 @@ def reference(x: torch.Tensor, raw: np.ndarray, qtype: Q) -> torch.Tensor:
     n = raw.shape[0]
     blocks = _blocks(raw, qtype, n)
     d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64))
-    start = 4 if qtype == Q.Q4_1 else 2
-    m = (torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64))
-         if qtype == Q.Q4_1 else -8 * d)
-    packed = torch.from_numpy(blocks[..., start:].copy())
-    q = torch.cat([packed & 15, packed >> 4], dim=-1).double()  # [N, blocks, 32]: weight j low, j + 16 high
+    if qtype == Q.Q8_0:
+        q, m = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).double(), torch.zeros_like(d)
+    else:
+        start = 4 if qtype == Q.Q4_1 else 2
+        m = (torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64))
+             if qtype == Q.Q4_1 else -8 * d)
+        packed = torch.from_numpy(blocks[..., start:].copy())
+        q = torch.cat([packed & 15, packed >> 4], dim=-1).double()  # [N, blocks, 32]: weight j low, j + 16 high
     qx, dx = q8_1(x)
     dot = torch.einsum("nbk,mbk->mnb", q, qx.double())
     return (dot * d[None] * dx.double()[:, None]).sum(-1) + (m[None] * (dx.double() * qx.double().sum(-1))[:, None]).sum(-1)
@@ -57,21 +74,26 @@ def test_pack_and_unpack_are_inverse(n):
     assert qs.shape == (-(-n // 8), 3, 128) and dp.shape == mp.shape == (-(-n // 8), 3, 8)
     back = unpack_q4x8(qs)
     assert torch.equal(back[:n], codes) and not back[n:].any()
+    signed = torch.randint(-128, 128, (n, 96), dtype=torch.int8, generator=torch.Generator().manual_seed(n))
+    qs8, d8 = pack_q8x8(signed, d)
+    assert qs8.shape == (-(-n // 8), 3, 256) and d8.shape == (-(-n // 8), 3, 8)
+    back8 = unpack_q8x8(qs8)
+    assert torch.equal(back8[:n], signed) and not back8[n:].any()
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+@pytest.mark.parametrize("qtype", TYPES)
 def test_layer_holds_the_files_weight(qtype):
     raw, layer = quantized(qtype, 37, 96)
     want = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
-    # Q4_1: d q + m as the file's dequantization, bit for bit; Q4_0: d q - 8 d against d (q - 8)
-    torch.testing.assert_close(layer.dequantize(), want, rtol=0 if qtype == Q.Q4_1 else 1e-6,
-                               atol=0 if qtype == Q.Q4_1 else 1e-7)
+    # Q4_1 and Q8_0 as the file's dequantization, bit for bit; Q4_0: d q - 8 d against d (q - 8)
+    exact = qtype != Q.Q4_0
+    torch.testing.assert_close(layer.dequantize(), want, rtol=0 if exact else 1e-6, atol=0 if exact else 1e-7)
     ids = torch.tensor([[36, 0], [9, 9]])
     assert torch.equal(layer.dequantize_rows(ids), layer.dequantize()[ids])
 
 
 @needs_kernel
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+@pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("n,k", [(960, 576), (37, 64), (16, 1536)])
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 20])
 def test_kernel_equals_the_int8_formula(qtype, n, k, m):
@@ -85,7 +107,7 @@ def test_kernel_equals_the_int8_formula(qtype, n, k, m):
 
 
 @needs_kernel
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+@pytest.mark.parametrize("qtype", TYPES)
 def test_kernel_error_against_float_activations_is_the_rounding_of_x(qtype):
     """|native - x W^T| <= sum_k |W| d_x / 2: the int8 activation's rounding, and nothing else."""
     raw, layer = quantized(qtype, 64, 576, seed=3)
@@ -100,8 +122,9 @@ def test_kernel_error_against_float_activations_is_the_rounding_of_x(qtype):
 
 
 @needs_kernel
-def test_rows_do_not_depend_on_the_batch():
-    _, layer = quantized(Q.Q4_1, 200, 576, seed=7)
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+def test_rows_do_not_depend_on_the_batch(qtype):
+    _, layer = quantized(qtype, 200, 576, seed=7)
     x = torch.randn(20, 576, generator=torch.Generator().manual_seed(20))
     together = layer(x, kernel="native")
     for i in (0, 7, 8, 19):
@@ -116,3 +139,5 @@ def test_kernel_rejects_bad_input():
         torch.ops.tessera_gemv.q4x8(torch.randn(1, 32), layer.qs, layer.d, layer.m)
     with pytest.raises(RuntimeError, match="d and m must be contiguous float16"):
         torch.ops.tessera_gemv.q4x8(torch.randn(1, 64), layer.qs, layer.d.float(), layer.m)
+    with pytest.raises(RuntimeError, match=r"qs must be contiguous uint8 \[N / 8, K / 32, 256\]"):
+        torch.ops.tessera_gemv.q8x8(torch.randn(1, 64), layer.qs, layer.d)
