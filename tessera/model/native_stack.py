@@ -3,8 +3,8 @@
 `NativeStack.build(model)` checks, once, that every layer is the plain Llama layer (fused qkv,
 optional qkv bias, no q/k norm, SwiGLU MLP, RMSNorm) on the batch-invariant CPU kernels (float
 weights as InvariantLinear, quantized ones on their batch-invariant kernel: int8, int4 and
-the GGUF modes' Q4_0/Q4_1/Q8_0/K-quant layers, and on AVX2-only CPUs in float32 the Q4_0/Q4_1
-blocks' int8-activation kernel; the invariant paged attention backend; the fused
+the GGUF modes' Q4_0/Q4_1/Q8_0/K-quant layers, and on AVX2-only CPUs in float32 the GGUF
+Q4_0/Q4_1/Q8_0 int8-activation kernels; the invariant paged attention backend; the fused
 elementwise ops), and then holds the per-layer tensors in the order `tessera_inv::decoder_stack`
 (tessera/kernels/csrc/decoder_stack.cpp) takes them. `forward` runs a step through it, or
 returns None where a step needs what the kernel does not do (a quantized KV cache, no paged

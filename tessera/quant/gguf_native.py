@@ -11,10 +11,10 @@ as the file's own dequantization and rounded to bf16 per tile, as the bf16 engin
 so the mode gives that engine's tokens from a third of the memory (session 29). On CPUs with AVX2
 and no AVX-512 (Zen 3) the file's codes and scales (Q4BlocksLinear, and Q8BlocksLinear for Q8_0):
 activations quantized to int8 per 32 and integer dot products, as llama.cpp and vLLM's GGUF kernels
-compute (gguf_int8_activations.py). Elsewhere they
-map onto the int4 kernel's format with group size 32 (scale d, zero point 0 or m + 8d): the codes
-are kept as they are, the scales rounded from float16 to bfloat16 (a relative change of at most
-2^-8 per block scale, far below the 4-bit step), for the faster grouped AVX-512 arithmetic of Zen 4/5.
+compute (gguf_int8_activations.py). Elsewhere they map onto the int4 kernel's format with group
+size 32 (scale d, zero point 0 or m + 8d): the codes are kept as they are, the scales rounded from
+float16 to bfloat16 (a relative change of at most 2^-8 per block scale, far below the 4-bit step),
+for the faster grouped AVX-512 arithmetic of Zen 4/5.
 Q8_0 (where not on int8 activations as above) keeps its int8 codes and float16 scales as they are:
 the batch-invariant kernel where it exists, the float32 C++ GEMV at decode sizes, else row tiles of
 about 2 MiB dequantized into the activation dtype for each call.
@@ -156,8 +156,6 @@ class Q8_0Linear(QuantLinear):
         return tiled_matmul(x, self.out_features, tile_rows_for(self.in_features), self._fill)
 
 
-
-
 def raw_rows(tensor) -> torch.Tensor:
     """A GGUF tensor's block bytes as uint8 [rows, bytes per row] (a copy: the file is read-only)."""
     rows = int(np.prod(tensor.shape[1:]))  # GGUF lists dims innermost first
@@ -165,8 +163,9 @@ def raw_rows(tensor) -> torch.Tensor:
 
 
 def _decode(tensor) -> tuple | None:
-    """A GGUF tensor as ("int4", codes, scale, zero), ("q8_0", codes, d), ("q4_blocks", qs, d, m) or (type name, raw block
-    bytes uint8 [rows, bytes per row]); None if not native."""
+    """A GGUF tensor as ("int4", codes, scale, zero), ("q8_0", codes, d), ("q4_blocks", qs, d, m),
+    ("q8_blocks", codes, d) or (type name, raw block bytes uint8 [rows, bytes per row]); None if
+    not native."""
     rows = int(np.prod(tensor.shape[1:]))  # GGUF lists dims innermost first
     if tensor.tensor_type in KQUANT_TYPES:
         return (tensor.tensor_type.name, raw_rows(tensor))

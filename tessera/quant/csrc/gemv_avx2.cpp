@@ -7,6 +7,10 @@
 //
 // Why: without them a GGUF model's decode on Zen 3 ran torch's int4 kernel on bf16 activations
 // and dequantized its Q8_0 lm_head to a float tile at every step (a third of the step).
+//
+// Two more ops exist only here: tessera_gemv::{q4x8, q8x8}, the GGUF mode's Q4_0/Q4_1 and Q8_0
+// on int8-quantized activations (llama.cpp's arithmetic, any row count; see their section below
+// and tessera/quant/gguf_int8_activations.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
