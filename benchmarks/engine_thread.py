@@ -8,7 +8,9 @@
 
 Each case generates the same batch (random prompts, greedy, exactly --output-len tokens) and
 reports output tokens/s; the table gives each case's median over --rounds and its ratio to the
-loading thread's. docs/engine.md, "Which thread steps the engine", says why.
+loading thread's. docs/engine.md, "Which thread steps the engine", says why. --keep-freed-memory
+first applies AsyncLLMEngine's malloc thresholds (tessera.engine.malloc_tuning) to the whole run:
+run the script with and without it to see what a new thread's own malloc arena costs.
 
     /tmp/tools/quiet .venv/bin/python benchmarks/engine_thread.py --json benchmarks/results/engine_thread.json
 """
@@ -28,6 +30,7 @@ from machine import cpu_name  # benchmarks/ is the script's folder
 from tessera import LLM, SamplingParams
 from tessera.bench.datasets import random_token_prompts
 from tessera.config import DEFAULT_MODEL
+from tessera.engine.malloc_tuning import keep_freed_memory
 from tessera.engine.openmp_team import release_calling_thread_team
 
 CASES = ("loading thread", "other thread, two teams", "other thread, released")
@@ -43,7 +46,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--keep-freed-memory", action="store_true",
+                    help="glibc keeps freed memory (what AsyncLLMEngine sets; process-wide, so for the whole run)")
     args = ap.parse_args(argv)
+    if args.keep_freed_memory and not keep_freed_memory():
+        raise SystemExit("--keep-freed-memory: glibc's mallopt is not available here")
 
     llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
@@ -78,13 +85,14 @@ def main(argv: list[str] | None = None) -> dict:
         rates[CASES[2]].append(on_new_thread())
     base = statistics.median(rates[CASES[0]])
     print(f"{args.model} {args.dtype}, {args.batch} x {args.input_len} -> {args.output_len}, {args.threads} threads, "
-          f"{args.rounds} rounds; CPU: {cpu_name()}")
+          f"{args.rounds} rounds, malloc {'tuned' if args.keep_freed_memory else 'defaults'}; CPU: {cpu_name()}")
     print(f"{'case':<26} {'out tok/s (median)':>19} {'all rounds':>24} {'vs loading thread':>18}")
     for c in CASES:
         med = statistics.median(rates[c])
         print(f"{c:<26} {med:19.1f} {' / '.join(f'{r:.0f}' for r in rates[c]):>24} {med / base:17.2f}x")
     result = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "batch": args.batch,
               "input_len": args.input_len, "output_len": args.output_len, "cpu": cpu_name(),
+              "keep_freed_memory": args.keep_freed_memory,
               "measured_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "rates": rates}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
