@@ -6,11 +6,8 @@ from __future__ import annotations
 import platform
 import subprocess
 import sys
-import threading
 
 import pytest
-
-import tessera.engine.async_engine as async_engine
 
 needs_glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
                                  reason="mallopt is glibc's")
@@ -57,22 +54,3 @@ def test_off_by_environment(monkeypatch):
 
     monkeypatch.setenv("TESSERA_MALLOC_TUNING", "0")
     assert keep_freed_memory() is False
-
-
-def test_the_async_engine_tunes_malloc_before_its_thread_starts(monkeypatch):
-    seen = []
-
-    class FakeEngine:
-        def stats(self):
-            return None
-
-        def has_unfinished_requests(self):
-            return False
-
-    monkeypatch.setattr(async_engine, "keep_freed_memory", lambda: seen.append(threading.active_count()))
-    before = threading.active_count()
-    engine = async_engine.AsyncLLMEngine(FakeEngine(), idle_poll_s=0.01)
-    try:
-        assert seen == [before]  # once, before the engine thread exists
-    finally:
-        engine.shutdown()

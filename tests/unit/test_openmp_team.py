@@ -47,6 +47,7 @@ def test_release_frees_the_worker_threads_a_thread_started():
 
 
 def test_the_async_engine_releases_the_loading_threads_team_before_its_thread_starts(monkeypatch):
+    """... and tunes malloc then too (tessera.engine.malloc_tuning, tests/unit/test_malloc_tuning.py)."""
     seen = []
 
     class FakeEngine:
@@ -58,10 +59,12 @@ def test_the_async_engine_releases_the_loading_threads_team_before_its_thread_st
 
     monkeypatch.setattr(async_engine, "release_calling_thread_team",
                         lambda: seen.append((threading.current_thread(), threading.active_count())))
+    monkeypatch.setattr(async_engine, "keep_freed_memory", lambda: seen.append(("malloc", threading.active_count())))
     before = threading.active_count()
     engine = async_engine.AsyncLLMEngine(FakeEngine(), idle_poll_s=0.01)
     try:
-        assert seen == [(threading.current_thread(), before)]  # on this thread, the engine's not started yet
+        # on this thread, the engine's not started yet
+        assert seen == [(threading.current_thread(), before), ("malloc", before)]
     finally:
         engine.shutdown()
 
