@@ -94,6 +94,11 @@ def unpack_q4x8(qs: torch.Tensor) -> torch.Tensor:
     return c.permute(0, 3, 1, 2, 5, 4).reshape(g * GROUP, nb * BLOCK)
 
 
+def _row_scales(t: torch.Tensor) -> torch.Tensor:
+    """Scales in group order [G, K / 32, 8] -> float32 per row [8 G, K / 32]."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1]).float()
+
+
 class _Int8ActivationLinear(QuantLinear):
     """Kernels: "native" (the int8-activation kernel, any row count) and "dequant" (float tiles of
     the file's dequantized weight: the reference)."""
@@ -105,19 +110,22 @@ class _Int8ActivationLinear(QuantLinear):
     def native_ok(self) -> bool:
         return self.qs.device.type == "cpu" and "native" in self.kernels
 
-    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` (1-D) of the weight as float32 [len(ids), K]."""
+    def _groups(self, g: torch.Tensor | slice) -> torch.Tensor:
+        """The weight of groups `g` (an index tensor or a slice) as float32 [8 * groups, K]."""
         raise NotImplementedError
 
     def _fill(self, start: int, end: int, tile: torch.Tensor) -> None:
-        tile.copy_(self._rows(torch.arange(start, end)))
+        g0 = start // GROUP  # each group unpacked once, not once per row
+        tile.copy_(self._groups(slice(g0, -(-end // GROUP)))[start - GROUP * g0 : end - GROUP * g0])
 
     def dequantize(self) -> torch.Tensor:
-        return self._rows(torch.arange(self.out_features))
+        return self._groups(slice(None))[: self.out_features]
 
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight as float32 [*ids.shape, in_features], exactly as dequantize()."""
-        return self._rows(ids.reshape(-1)).view(*ids.shape, self.in_features)
+        flat = ids.reshape(-1)
+        rows = self._groups(flat // GROUP).view(len(flat), GROUP, -1)[torch.arange(len(flat)), flat % GROUP]
+        return rows.view(*ids.shape, self.in_features)
 
     def select_kernel(self, num_rows: int) -> str:
         return "native" if self.native_ok() else "dequant"
@@ -145,11 +153,11 @@ class Q4BlocksLinear(_Int8ActivationLinear):
         self.register_buffer("d", dp)
         self.register_buffer("m", mp)
 
-    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
-        g, i = ids // GROUP, ids % GROUP
-        q = unpack_q4x8(self.qs[g]).view(len(ids), GROUP, -1)[torch.arange(len(ids)), i].float()
-        d, m = self.d[g, :, i].float(), self.m[g, :, i].float()  # [len(ids), K / 32]
-        return (q.view(len(ids), -1, BLOCK) * d[..., None] + m[..., None]).view(len(ids), -1)
+    def _groups(self, g: torch.Tensor | slice) -> torch.Tensor:
+        q = unpack_q4x8(self.qs[g]).float()
+        rows = q.shape[0]
+        d, m = (_row_scales(t[g]) for t in (self.d, self.m))
+        return (q.view(rows, -1, BLOCK) * d[..., None] + m[..., None]).view(rows, -1)
 
     def _native(self, x: torch.Tensor) -> torch.Tensor:
         return native_gemv.gemv_q4x8(x, self.qs, self.d, self.m)
@@ -165,10 +173,10 @@ class Q8BlocksLinear(_Int8ActivationLinear):
         self.register_buffer("qs", packed)
         self.register_buffer("d", dp)
 
-    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
-        g, i = ids // GROUP, ids % GROUP
-        q = unpack_q8x8(self.qs[g]).view(len(ids), GROUP, -1)[torch.arange(len(ids)), i].float()
-        return (q.view(len(ids), -1, BLOCK) * self.d[g, :, i].float()[..., None]).view(len(ids), -1)
+    def _groups(self, g: torch.Tensor | slice) -> torch.Tensor:
+        q = unpack_q8x8(self.qs[g]).float()
+        rows = q.shape[0]
+        return (q.view(rows, -1, BLOCK) * _row_scales(self.d[g])[..., None]).view(rows, -1)
 
     def _native(self, x: torch.Tensor) -> torch.Tensor:
         return native_gemv.gemv_q8x8(x, self.qs, self.d)

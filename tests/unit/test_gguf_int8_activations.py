@@ -90,6 +90,8 @@ def test_layer_holds_the_files_weight(qtype):
     torch.testing.assert_close(layer.dequantize(), want, rtol=0 if exact else 1e-6, atol=0 if exact else 1e-7)
     ids = torch.tensor([[36, 0], [9, 9]])
     assert torch.equal(layer.dequantize_rows(ids), layer.dequantize()[ids])
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(layer(x, kernel="dequant"), F.linear(x, want), rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel
