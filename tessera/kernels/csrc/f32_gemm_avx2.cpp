@@ -40,6 +40,10 @@ inline void tile(const float* x, int64_t ldx, const float* w, int64_t k, const f
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
+  // (in locals: through the reference, the cursor was stored and reloaded at every k, a chain
+  // longer than the k step's FMAs)
+  const char* next = ahead.next;
+  const char* const end = ahead.end;
   for (int64_t kk = 0; kk < k; ++kk) {
     const float* wk = w + kk * kPanel;
     // Every cache line of the tile's row 16 k ahead (V / 2 lines of 64 bytes): a one-row decode
@@ -49,9 +53,9 @@ inline void tile(const float* x, int64_t ldx, const float* w, int64_t k, const f
 #pragma GCC unroll 4
     for (int v = 0; v < V; v += 2) _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * kPanel + 8 * v), _MM_HINT_T0);
     if constexpr (R > 1) {
-      if (ahead.next < ahead.end) {
-        _mm_prefetch(ahead.next, _MM_HINT_T1);
-        ahead.next += 64;
+      if (next < end) {
+        _mm_prefetch(next, _MM_HINT_T1);
+        next += 64;
       }
     }
     __m256 wv[V];
@@ -64,6 +68,7 @@ inline void tile(const float* x, int64_t ldx, const float* w, int64_t k, const f
       for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(xb, wv[v], acc[r][v]);
     }
   }
+  ahead.next = next;
   // Out of the registers with constant indices only (a variable index into acc put it on the
   // stack, stored at every k), then to the output's valid columns.
   alignas(32) float res[R][8 * V];
