@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from tessera.config import EngineConfig
 from tessera.disagg.transport import KVTransport, make_transport
 from tessera.engine.handoff import SequenceHandoff
+from tessera.engine.malloc_tuning import keep_freed_memory
+from tessera.engine.openmp_team import release_calling_thread_team
 from tessera.outputs import TokenLogprobs
 from tessera.sampling import SamplingParams
 
@@ -100,6 +102,12 @@ class EngineWorker:
         self._load = WorkerLoad()
         self._stopping = False
         self._error: BaseException | None = None
+        # The engine steps on a thread of its own, as AsyncLLMEngine's does, and for the same two
+        # reasons: the loading thread's OpenMP team would make the stepping thread's workers
+        # sleep between regions (tessera.engine.openmp_team), and the new thread's malloc arena
+        # would hand each step's memory back and fault it in again (tessera.engine.malloc_tuning).
+        release_calling_thread_team()
+        keep_freed_memory()
         self._thread = threading.Thread(target=self._run, name="tessera-worker", daemon=True)
         self._thread.start()
 

@@ -69,6 +69,27 @@ def test_the_async_engine_releases_the_loading_threads_team_before_its_thread_st
         engine.shutdown()
 
 
+def test_the_disagg_worker_does_both_before_its_engine_thread_starts(monkeypatch, tiny_model_dir):
+    # EngineWorker (a Ray actor's class) loads its engine on the calling thread and steps it on
+    # one of its own, as AsyncLLMEngine does.
+    import tessera.disagg.worker as worker
+    from tessera.config import EngineConfig
+
+    seen = []
+    monkeypatch.setattr(worker, "release_calling_thread_team",
+                        lambda: seen.append(("team", threading.current_thread(), threading.active_count())))
+    monkeypatch.setattr(worker, "keep_freed_memory",
+                        lambda: seen.append(("malloc", threading.current_thread(), threading.active_count())))
+    before = threading.active_count()
+    w = worker.EngineWorker(EngineConfig(model=str(tiny_model_dir), dtype="float32"))
+    try:
+        me = threading.current_thread()
+        assert seen == [("team", me, before), ("malloc", me, before)]
+        assert threading.active_count() == before + 1  # and then the engine thread
+    finally:
+        w.shutdown()
+
+
 @needs_two_threads
 def test_a_loaded_engine_leaves_no_team_on_the_loading_thread(tiny_model_dir):
     # A web app loads the model on one thread and generates on its workers: the loading
