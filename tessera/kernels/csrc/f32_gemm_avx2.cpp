@@ -131,15 +131,16 @@ void f32_gemm(const float* x, const float* wt, const float* bias, float* out, in
       const float* b = bias ? bias + col0 : nullptr;
       // The weights this thread reads next go towards L2 while these rows are computed, a line a
       // k: the first row tile over a panel reads it from memory one line a k per 16 columns,
-      // too few lines in flight for the memory's latency. "Next" is the panel itself for its
-      // first half's item (the second half's lines), else the next panel once its last row
-      // group runs (prefill chunks reuse a panel over row groups). Zen 3, the default model's
-      // 121 linears from memory, alternating builds: 8 rows 34-36 -> 26-29 ms, 32 rows 66-72
-      // -> 59-65 ms, 1 and 2 rows unchanged; two lines a k, or T0 / T2 hints, were no better.
+      // too few lines in flight for the memory's latency. "Next" is the panel itself during its
+      // first item (the second half's lines), else the next panel during this panel's last item
+      // (prefill chunks reuse a panel over row groups: the items between prefetch nothing).
+      // Zen 3, the default model's 121 linears from memory, alternating builds: 8 rows 34-36 ->
+      // 26-29 ms, 32 rows 67-76 -> 59-66 ms, 1 and 2 rows unchanged; two lines a k, or T0 / T2
+      // hints, were no better.
       Ahead ahead;
-      if (halves == 2 && h == 0) {
+      if (halves == 2 && h == 0 && g == 0) {
         ahead.next = reinterpret_cast<const char*>(w);
-      } else if (g == groups - 1 && p + 1 < panels) {
+      } else if (h == halves - 1 && g == groups - 1 && p + 1 < panels) {
         ahead.next = reinterpret_cast<const char*>(w + k * kPanel);
       }
       if (ahead.next) ahead.end = ahead.next + k * kPanel * static_cast<int64_t>(sizeof(float));
