@@ -13,6 +13,9 @@
 //   once for all its query heads (GQA) and tokens;
 // - K tiles are transposed (kT[d][key]) so one FMA scores 16 keys; a row's score is 8 FMA
 //   chains over d (d = 8i + l, chain l) summed in a fixed tree, whichever rows share the tile;
+//   on AVX2 without AVX-512, float32 keys (bf16 keys of one or two tokens) are instead scored
+//   from the cache rows in place, a key's 8 chains in the lanes of one register (score8_direct:
+//   the same chains and tree, so the same bits);
 // - a tile's keys are converted and transposed in registers (bf16: one 32-bit word transpose
 //   per 32 d, the word's halves are d and d + 1), values converted as P.V reads them (bf16:
 //   even/odd halves of each 32 d, the accumulator order restored at the end);
@@ -485,6 +488,59 @@ inline void score_rows_dp(const uint32_t* const* qw, const float* kw, float scal
 #endif
 }
 
+#if defined(TESSERA_AVX2_HALVES)
+// Scores straight from the cache rows, no transposed copy of the tile (float32 and bf16 caches on
+// AVX2). A key's 8 chains are the 8 lanes of one register: lane l accumulates q[d] * k[d] over
+// d = l, l + 8, ... in order (a product, then FMAs), exactly score_rows' chain l, and the lanes are
+// summed in score_rows' tree ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)) by the shuffles below, so a
+// score has the same bits either way. What it saves: load_k_tile's 8 x 8 transposes, its stores
+// and score_rows' reloads of them, and a broadcast of q per FMA (a q vector serves 8 keys here).
+template <typename C>
+constexpr bool kDirectScores = std::is_same_v<C, float> || std::is_same_v<C, at::BFloat16>;
+
+template <typename C>
+inline __m256 key8(const C* p) {
+  if constexpr (std::is_same_v<C, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+// One row's scores of the 8 keys whose rows start at k[0..7] (head_dim D).
+template <typename C, int D>
+inline __m256 score8_direct(const float* q, const C* const* k) {
+  __m256 a[8];
+  const __m256 q0 = _mm256_loadu_ps(q);
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) a[j] = _mm256_mul_ps(q0, key8(k[j]));
+#pragma GCC unroll 4
+  for (int i = 8; i < D; i += 8) {
+    const __m256 qi = _mm256_loadu_ps(q + i);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qi, key8(k[j] + i), a[j]);
+  }
+  // Lanes l + (l + 4) of two keys at once: t[p] = [key 2p's 4 sums | key 2p + 1's].
+  __m256 t[4];
+#pragma GCC unroll 4
+  for (int p = 0; p < 4; ++p)
+    t[p] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x20),
+                         _mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x31));
+  // (0 + 4) + (2 + 6) and (1 + 5) + (3 + 7): keys [0, 0, 2, 2 | 1, 1, 3, 3] and [4, 4, 6, 6 | 5, 5, 7, 7]
+  const __m256 s0 = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], 0x44), _mm256_shuffle_ps(t[0], t[1], 0xEE));
+  const __m256 s1 = _mm256_add_ps(_mm256_shuffle_ps(t[2], t[3], 0x44), _mm256_shuffle_ps(t[2], t[3], 0xEE));
+  // the two halves' sum, keys [0, 2, 4, 6 | 1, 3, 5, 7], then in key order
+  const __m256 h = _mm256_hadd_ps(s0, s1);
+  return _mm256_permutevar8x32_ps(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+template <typename C, int D, int NR>
+inline void score_rows_direct(const float* const* q, const C* const* k, v16f* out) {
+  for (int r = 0; r < NR; ++r) out[r] = join8(score8_direct<C, D>(q[r], k), score8_direct<C, D>(q[r], k + 8));
+}
+#endif
+
 // acc = acc * corr (skipped when corr is exactly 1: the same bits), then acc += p[j] * v[j] for
 // the row's valid keys j in order, 16 output lanes at a time; V is converted as it is read
 // (each converted vector serves all NR rows).
@@ -947,9 +1003,10 @@ inline void unpair_acc(float* acc, int64_t n) {
 
 // NR query heads (rows r, r + 1, ... of ws) of one token against one KV head's tile: kT the keys
 // as fp32 (score_rows), or with Pairs their bf16 words (score_rows_dp, the raw q in ws.qw).
+// kp: the tile's key rows for score_rows_direct (AVX2, float32 / bf16 caches), else null and kT used.
 template <typename C, int D, int NR, bool Pairs>
-inline void attend_rows(Workspace& ws, int64_t r, const float* kT, float scale, const C* vc, const int64_t* off,
-                        const float* vscale, int j0, int j1) {
+inline void attend_rows(Workspace& ws, int64_t r, const float* kT, const C* const* kp, float scale, const C* vc,
+                        const int64_t* off, const float* vscale, int j0, int j1) {
   float* ar[NR];
   float* pr[NR];
   const float* pc[NR];
@@ -966,7 +1023,17 @@ inline void attend_rows(Workspace& ws, int64_t r, const float* kT, float scale, 
   } else {
     const float* qr[NR];
     for (int u = 0; u < NR; ++u) qr[u] = ws.q.data() + (r + u) * D;
+#if defined(TESSERA_AVX2_HALVES)
+    if constexpr (kDirectScores<C>) {
+      if (kp) score_rows_direct<C, D, NR>(qr, kp, sc);
+      else score_rows<D, NR>(qr, kT, sc);
+    } else {
+      score_rows<D, NR>(qr, kT, sc);
+    }
+#else
+    (void)kp;
     score_rows<D, NR>(qr, kT, sc);
+#endif
   }
   for (int u = 0; u < NR; ++u) corr[u] = softmax_step(sc[u], j0, j1, ws.mx[r + u], ws.den[r + u], pr[u]);
   if constexpr (Pairs && std::is_same_v<C, at::BFloat16>)
@@ -1250,6 +1317,24 @@ void attend_item(const Problem& pb, const int32_t* table, const int32_t* ctx, in
         vscale[j] = scaled && slots[j] >= 0 ? pb.v_scales[slots[j] * hkv + kvh] : 1.f;
       }
       // Every token's query heads of this KV head against the tile, 3 heads at a time.
+      const C* const* kp = nullptr;
+#if defined(TESSERA_AVX2_HALVES)
+      // Scores from the cache rows in place (score8_direct; the same bits as from kT). Float32 keys
+      // always; bf16 keys only for one or two tokens, since each row converts the keys again: a
+      // tile of 16 tokens does better with them converted once into kT. Zen 3, 30 caches in turn,
+      // modes alternating in one process (ms a layer, old -> direct): float32 b1 x 320 0.100 ->
+      // 0.087, b8 0.495 -> 0.431, b32 1.492 -> 1.307, prefill 256 1.360 -> 1.198; bf16 b32 1.656 ->
+      // 1.342, its prefill 256 1.46 -> 1.50-1.55 (so not there).
+      const C* krow[kLanes];
+      if constexpr (kDirectScores<C>) {
+        if (std::is_same_v<C, float> || tq <= 2) {
+          // a position no row reads scores against zeros (every row masks it), as in kT
+          alignas(64) static const C kZeroRow[256] = {};
+          for (int j = 0; j < kLanes; ++j) krow[j] = off[j] < 0 ? kZeroRow : kc + off[j];
+          kp = krow;
+        }
+      }
+#endif
       auto attend_tokens = [&](auto pairs) {
         constexpr bool P = decltype(pairs)::value;
         for (int t = 0; t < tq; ++t) {
@@ -1258,9 +1343,9 @@ void attend_item(const Problem& pb, const int32_t* table, const int32_t* ctx, in
           if (j0 >= j1) continue;
           const int64_t r0 = t * heads + kvh * g;
           int h = 0;
-          for (; h + 3 <= g; h += 3) attend_rows<C, D, 3, P>(ws, r0 + h, kT, pb.scale, vc, off, vscale, j0, j1);
-          if (g - h == 2) attend_rows<C, D, 2, P>(ws, r0 + h, kT, pb.scale, vc, off, vscale, j0, j1);
-          if (g - h == 1) attend_rows<C, D, 1, P>(ws, r0 + h, kT, pb.scale, vc, off, vscale, j0, j1);
+          for (; h + 3 <= g; h += 3) attend_rows<C, D, 3, P>(ws, r0 + h, kT, kp, pb.scale, vc, off, vscale, j0, j1);
+          if (g - h == 2) attend_rows<C, D, 2, P>(ws, r0 + h, kT, kp, pb.scale, vc, off, vscale, j0, j1);
+          if (g - h == 1) attend_rows<C, D, 1, P>(ws, r0 + h, kT, kp, pb.scale, vc, off, vscale, j0, j1);
         }
       };
       if constexpr (kPairedBf16<C, D>) {
@@ -1269,9 +1354,9 @@ void attend_item(const Problem& pb, const int32_t* table, const int32_t* ctx, in
           attend_tokens(std::true_type{});
           continue;
         }
-        load_k_tile_bf16<D, false>(kc, off, kT);
+        if (!kp) load_k_tile_bf16<D, false>(kc, off, kT);
       } else {
-        load_k_tile<C, D>(kc, off, kscale, kT);
+        if (!kp) load_k_tile<C, D>(kc, off, kscale, kT);
       }
       attend_tokens(std::false_type{});
     }
