@@ -488,6 +488,36 @@ inline void score_rows_dp(const uint32_t* const* qw, const float* kw, float scal
 #endif
 }
 
+// The next tile's K and V rows for the work item's KV heads, handed to the prefetcher a line of
+// each per step from inside the score and P.V loops (step(): one K and one V line), so the lines
+// go out spread over the tile's compute at about the rate the core's misses drain. Used on AVX2
+// (see attend_item); aim() points it at a tile, idle until then.
+struct TilePrefetch {
+  const char* k = nullptr;  // the cache tensors plus the item's first KV head's byte offset
+  const char* v = nullptr;
+  const int64_t* slots = nullptr;  // the tile's slots, -1 = none
+  int64_t row_bytes = 0, lines = 0;  // bytes of a slot row; lines of each row to fetch
+  int j = kLanes, line = 0;          // the next slot and line (j == kLanes: nothing left)
+
+  void aim(const char* kc, const char* vc, const int64_t* tile_slots, int64_t row, int64_t head_offset,
+           int64_t bytes) {
+    k = kc + head_offset, v = vc + head_offset, slots = tile_slots, row_bytes = row;
+    lines = (bytes + 63) / 64, line = 0, j = 0;
+    while (j < kLanes && slots[j] < 0) ++j;
+  }
+  void idle() { j = kLanes; }
+  __attribute__((always_inline)) void step() {
+    if (j >= kLanes) return;
+    const int64_t o = slots[j] * row_bytes + line * 64;
+    _mm_prefetch(k + o, _MM_HINT_T1);
+    _mm_prefetch(v + o, _MM_HINT_T1);
+    if (++line == lines) {
+      line = 0;
+      do ++j; while (j < kLanes && slots[j] < 0);
+    }
+  }
+};
+
 #if defined(TESSERA_AVX2_HALVES)
 // Scores straight from the cache rows, no transposed copy of the tile (float32 and bf16 caches on
 // AVX2). A key's 8 chains are the 8 lanes of one register: lane l accumulates q[d] * k[d] over
@@ -510,7 +540,7 @@ inline __m256 key8(const C* p) {
 
 // One row's scores of the 8 keys whose rows start at k[0..7] (head_dim D).
 template <typename C, int D>
-inline __m256 score8_direct(const float* q, const C* const* k) {
+inline __m256 score8_direct(const float* q, const C* const* k, TilePrefetch& pf) {
   __m256 a[8];
   const __m256 q0 = _mm256_loadu_ps(q);
 #pragma GCC unroll 8
@@ -518,6 +548,7 @@ inline __m256 score8_direct(const float* q, const C* const* k) {
 #pragma GCC unroll 4
   for (int i = 8; i < D; i += 8) {
     const __m256 qi = _mm256_loadu_ps(q + i);
+    if (i & 8) pf.step();
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qi, key8(k[j] + i), a[j]);
   }
@@ -536,8 +567,9 @@ inline __m256 score8_direct(const float* q, const C* const* k) {
 }
 
 template <typename C, int D, int NR>
-inline void score_rows_direct(const float* const* q, const C* const* k, v16f* out) {
-  for (int r = 0; r < NR; ++r) out[r] = join8(score8_direct<C, D>(q[r], k), score8_direct<C, D>(q[r], k + 8));
+inline void score_rows_direct(const float* const* q, const C* const* k, v16f* out, TilePrefetch& pf) {
+  for (int r = 0; r < NR; ++r)
+    out[r] = join8(score8_direct<C, D>(q[r], k, pf), score8_direct<C, D>(q[r], k + 8, pf));
 }
 #endif
 
@@ -546,7 +578,7 @@ inline void score_rows_direct(const float* const* q, const C* const* k, v16f* ou
 // (each converted vector serves all NR rows).
 template <typename C, int D, int NR>
 inline void pv_rows(float* const* acc, const float* const* p, const float* corr, const C* vc, const int64_t* off,
-                    const float* scale, int j0, int j1) {
+                    const float* scale, int j0, int j1, TilePrefetch& pf) {
   constexpr int kVec = D / 16;  // output vectors kept in registers per pass: all of a row if they fit
   constexpr int kGroup = kVec * NR <= 20 ? kVec : (kVec % 4 == 0 ? 4 : (kVec % 2 == 0 ? 2 : 1));
   static_assert(kVec % kGroup == 0, "pv_rows: passes must cover head_dim exactly");
@@ -562,6 +594,7 @@ inline void pv_rows(float* const* acc, const float* const* p, const float* corr,
         if (corr[r] != 1.f) a[u] = _mm256_mul_ps(a[u], _mm256_set1_ps(corr[r]));
       }
       for (int j = j0; j < j1; ++j) {
+        pf.step();
         const __m256 pj = _mm256_set1_ps(p[r][j]);
         const C* vrow = vc + off[j] + c;
         for (int u = 0; u < kHalves; ++u) {
@@ -586,6 +619,7 @@ inline void pv_rows(float* const* acc, const float* const* p, const float* corr,
       for (int u = 0; u < kHalves; ++u) _mm256_storeu_ps(acc[r] + c + 8 * u, a[u]);
     }
 #else
+  (void)pf;  // the AVX-512 path prefetches per KV head instead (attend_item)
   for (int c = 0; c < D; c += 16 * kGroup) {
     v16f a[NR][kGroup];
     for (int r = 0; r < NR; ++r)
@@ -975,6 +1009,7 @@ struct Workspace {
   std::vector<float> cs, pv, corr;
   int nbt = 0;  // C tiles (16 query rows each) per KV head
   int64_t kvh0 = 0, kvh1 = 0;  // the work item's KV heads [kvh0, kvh1)
+  TilePrefetch pf;  // the next tile's rows (AVX2)
 };
 
 struct Problem {
@@ -1025,7 +1060,7 @@ inline void attend_rows(Workspace& ws, int64_t r, const float* kT, const C* cons
     for (int u = 0; u < NR; ++u) qr[u] = ws.q.data() + (r + u) * D;
 #if defined(TESSERA_AVX2_HALVES)
     if constexpr (kDirectScores<C>) {
-      if (kp) score_rows_direct<C, D, NR>(qr, kp, sc);
+      if (kp) score_rows_direct<C, D, NR>(qr, kp, sc, ws.pf);
       else score_rows<D, NR>(qr, kT, sc);
     } else {
       score_rows<D, NR>(qr, kT, sc);
@@ -1039,7 +1074,7 @@ inline void attend_rows(Workspace& ws, int64_t r, const float* kT, const C* cons
   if constexpr (Pairs && std::is_same_v<C, at::BFloat16>)
     pv_rows_dp<D, NR>(ar, pc, corr, vc, off, j0, j1);
   else
-    pv_rows<C, D, NR>(ar, pc, corr, vc, off, vscale, j0, j1);
+    pv_rows<C, D, NR>(ar, pc, corr, vc, off, vscale, j0, j1, ws.pf);
 }
 
 // ---- The AMX arithmetic for a work item (bf16 caches, head_dim a multiple of 32, CPUs with
@@ -1282,10 +1317,14 @@ void attend_item(const Problem& pb, const int32_t* table, const int32_t* ctx, in
   // fifth of the kernel's samples on the prefetches themselves (the miss buffers full, the
   // scores waiting behind them); spread over the heads, decode b32 x 320 0.579 -> 0.436 ms (8 of
   // 8 rounds), prefill and b1 unchanged (one item per KV head there, or compute-bound).
-  // Not on CPUs without AVX-512 (Zen 3): there the burst stalls the core on its miss buffers
-  // (12% of the kernel's samples sat on it) and the kernel ran 3-5% faster without it, in one
-  // process alternating call by call over 30 caches: b8 x 320 0.344 -> 0.334 ms, b32 x 320
-  // 1.270 -> 1.220 and 1.326 -> 1.264, b32 x 1024 4.095 -> 3.894, b1 0.072 against 0.074.
+  // Not on CPUs without AVX-512 (Zen 3): there a head's burst stalled the core on its miss
+  // buffers (12% of the kernel's samples; 3-5% faster without it, session 33). Instead the item's
+  // heads' rows of the next tile go out a K and a V line at a time from inside the score and P.V
+  // loops (ws.pf, TilePrefetch), spread over this tile's compute. A plain read of the same blocks
+  // runs at 25-33 GB/s where the kernel had read 13.7: the misses, not the bandwidth, were the
+  // bound. Zen 3, 30 caches in turn, modes alternating call by call in one process (ms a layer):
+  // b32 x 320 1.146 -> 0.754 and 1.155 -> 0.750, b8 0.327 -> 0.224 and 0.316 -> 0.220, b1 0.073
+  // -> 0.071; two tiles ahead, two lines a step or other hints were no better.
 #if defined(__AVX512F__)
   constexpr bool kPrefetchNextTile = true;
 #else
@@ -1309,6 +1348,15 @@ void attend_item(const Problem& pb, const int32_t* table, const int32_t* ctx, in
     std::copy(next, next + kLanes, slots);
     const bool has_next = start + kLanes < hi_all;
     if (has_next) tile_slots(start + kLanes, next);
+#if defined(TESSERA_AVX2_HALVES)
+    if (has_next) {
+      const int64_t head_bytes = D * static_cast<int64_t>(sizeof(C));
+      ws.pf.aim(reinterpret_cast<const char*>(kc), reinterpret_cast<const char*>(vc), next,
+                row_stride * static_cast<int64_t>(sizeof(C)), ws.kvh0 * head_bytes, (ws.kvh1 - ws.kvh0) * head_bytes);
+    } else {
+      ws.pf.idle();
+    }
+#endif
     for (int64_t kvh = ws.kvh0; kvh < ws.kvh1; ++kvh) {
       if (kPrefetchNextTile && has_next) prefetch_head(next, kvh);
       for (int j = 0; j < kLanes; ++j) {
