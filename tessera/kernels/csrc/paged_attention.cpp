@@ -413,9 +413,16 @@ constexpr bool kPairedBf16 = std::is_same_v<C, at::BFloat16> && D % 32 == 0;
 // for Zen (-march=native on Zen 4 tunes as znver3) folds the k load into every FMA instead and
 // broadcasts q with a separate vbroadcastss each time: half of prefill attention's samples on
 // that CPU, and 13-17% of prefill attention's time (same arithmetic, same bits).
-template <int D, int NR>
-inline void score_rows(const float* const* q, const float* kT, v16f* out) {
 #if defined(TESSERA_AVX2_HALVES)
+// The 16 scores of a row as two 8-lane halves, kept in registers: a v16f built from them went to
+// the stack lane by lane (vextractps) and back (a tenth of a decode's and prefill's attention
+// samples, Zen 3).
+struct Scores16 {
+  __m256 lo, hi;
+};
+
+template <int D, int NR>
+inline void score_rows_halves(const float* const* q, const float* kT, Scores16* out) {
   // Each row and each half of the 16 keys on its own: 8 chains in 8 registers.
   for (int r = 0; r < NR; ++r) {
     __m256 half[2];
@@ -433,9 +440,14 @@ inline void score_rows(const float* const* q, const float* kT, v16f* out) {
       const __m256 b2 = _mm256_add_ps(a[2], a[6]), b3 = _mm256_add_ps(a[3], a[7]);
       half[hh] = _mm256_add_ps(_mm256_add_ps(b0, b2), _mm256_add_ps(b1, b3));
     }
-    out[r] = join8(half[0], half[1]);
+    out[r] = {half[0], half[1]};
   }
-#else
+}
+#endif
+
+// (On AVX2 score_rows_halves above: this loop's 16-lane vectors would go through the stack.)
+template <int D, int NR>
+inline void score_rows(const float* const* q, const float* kT, v16f* out) {
   v16f a[NR][8];
 #pragma GCC unroll 8
   for (int l = 0; l < 8; ++l) {
@@ -454,7 +466,6 @@ inline void score_rows(const float* const* q, const float* kT, v16f* out) {
     const v16f b0 = a[r][0] + a[r][4], b1 = a[r][1] + a[r][5], b2 = a[r][2] + a[r][6], b3 = a[r][3] + a[r][7];
     out[r] = (b0 + b2) + (b1 + b3);
   }
-#endif
 }
 
 // The same 16 keys' scores from bf16 pairs (CPUs with AVX-512 BF16, bf16 q and cache, head_dim a
@@ -567,9 +578,8 @@ inline __m256 score8_direct(const float* q, const C* const* k, TilePrefetch& pf)
 }
 
 template <typename C, int D, int NR>
-inline void score_rows_direct(const float* const* q, const C* const* k, v16f* out, TilePrefetch& pf) {
-  for (int r = 0; r < NR; ++r)
-    out[r] = join8(score8_direct<C, D>(q[r], k, pf), score8_direct<C, D>(q[r], k + 8, pf));
+inline void score_rows_direct(const float* const* q, const C* const* k, Scores16* out, TilePrefetch& pf) {
+  for (int r = 0; r < NR; ++r) out[r] = {score8_direct<C, D>(q[r], k, pf), score8_direct<C, D>(q[r], k + 8, pf)};
 }
 #endif
 
@@ -718,10 +728,10 @@ inline __m256 softmax_exp8(__m256 x) {
 // On AVX2 on the two halves in registers (the generic code went through the stack
 // there: two thirds of the prefill kernel's samples on Zen 3). The max is exact in any order;
 // the sum is lane_sum's tree ((i + 8), then (i + 4), (i + 2), (i + 1)), so the same bits.
-inline float softmax_step(v16f s, int j0, int j1, float& mx, float& den, float* p) {
+inline float softmax_step(Scores16 s, int j0, int j1, float& mx, float& den, float* p) {
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   const __m256 a0 = _mm256_set1_ps(static_cast<float>(j0)), a1 = _mm256_set1_ps(static_cast<float>(j1));
-  __m256 h[2] = {lo8(s), hi8(s)};
+  __m256 h[2] = {s.lo, s.hi};
   for (int i = 0; i < 2; ++i) {
     const __m256 lane = _mm256_add_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps(8.0f * i));
     const __m256 valid = _mm256_and_ps(_mm256_cmp_ps(lane, a0, _CMP_GE_OQ), _mm256_cmp_ps(lane, a1, _CMP_LT_OQ));
@@ -744,6 +754,9 @@ inline float softmax_step(v16f s, int j0, int j1, float& mx, float& den, float* 
   _mm256_storeu_ps(p, e0);
   _mm256_storeu_ps(p + 8, e1);
   return corr;
+}
+inline float softmax_step(v16f s, int j0, int j1, float& mx, float& den, float* p) {
+  return softmax_step(Scores16{lo8(s), hi8(s)}, j0, j1, mx, den, p);
 }
 #else
 inline float softmax_step(v16f s, int j0, int j1, float& mx, float& den, float* p) {
@@ -1059,18 +1072,23 @@ inline void attend_rows(Workspace& ws, int64_t r, const float* kT, const C* cons
     const float* qr[NR];
     for (int u = 0; u < NR; ++u) qr[u] = ws.q.data() + (r + u) * D;
 #if defined(TESSERA_AVX2_HALVES)
+    Scores16 s2[NR];
     if constexpr (kDirectScores<C>) {
-      if (kp) score_rows_direct<C, D, NR>(qr, kp, sc, ws.pf);
-      else score_rows<D, NR>(qr, kT, sc);
+      if (kp) score_rows_direct<C, D, NR>(qr, kp, s2, ws.pf);
+      else score_rows_halves<D, NR>(qr, kT, s2);
     } else {
-      score_rows<D, NR>(qr, kT, sc);
+      score_rows_halves<D, NR>(qr, kT, s2);
     }
+    for (int u = 0; u < NR; ++u) corr[u] = softmax_step(s2[u], j0, j1, ws.mx[r + u], ws.den[r + u], pr[u]);
 #else
     (void)kp;
     score_rows<D, NR>(qr, kT, sc);
 #endif
   }
-  for (int u = 0; u < NR; ++u) corr[u] = softmax_step(sc[u], j0, j1, ws.mx[r + u], ws.den[r + u], pr[u]);
+#if defined(TESSERA_AVX2_HALVES)
+  if constexpr (Pairs)
+#endif
+    for (int u = 0; u < NR; ++u) corr[u] = softmax_step(sc[u], j0, j1, ws.mx[r + u], ws.den[r + u], pr[u]);
   if constexpr (Pairs && std::is_same_v<C, at::BFloat16>)
     pv_rows_dp<D, NR>(ar, pc, corr, vc, off, j0, j1);
   else
