@@ -3,6 +3,7 @@ row's result bit-identical whatever else runs with it."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -131,6 +132,83 @@ def _naive_attention(q, k_cache, v_cache, slots, scale):
         out[head] = probs @ values[:, kv]
     return out.reshape(-1)
 
+
+
+def _f32(x):
+    return np.asarray(x, dtype=np.float64).astype(np.float32)
+
+
+def _fma(a, b, c):
+    """fp32 fused multiply-add: the float64 product of two float32 is exact; the sum is rounded
+    to float64, then to float32 (a double rounding, off only at near-ties these values avoid)."""
+    return _f32(np.float64(a) * np.float64(b) + np.float64(c))
+
+
+def _kernel_score(q, k):
+    """The attention kernel's fp32 score q . k on every CPU: chain l sums q[d] k[d] over d = l,
+    l + 8, ... in order (a product, then FMAs), then ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))."""
+    a = [_f32(q[..., lane] * k[..., lane]) for lane in range(8)]
+    for i in range(8, q.shape[-1], 8):
+        a = [_fma(q[..., i + lane], k[..., i + lane], a[lane]) for lane in range(8)]
+    b = [_f32(a[i] + a[i + 4]) for i in range(4)]
+    return _f32(_f32(b[0] + b[2]) + _f32(b[1] + b[3]))
+
+
+def _kernel_exp(x):
+    """The kernel's softmax exp: clamp, n = round(x log2 e), a two-step reduction, a degree-6
+    polynomial, times 2^n by the exponent bits; 0 where x is not above -87."""
+    xc = np.minimum(np.maximum(x, _f32(-87.0)), _f32(88.0))
+    n = np.rint(_f32(xc * _f32(1.44269504088896341)))
+    r = _fma(-n, _f32(0.693145751953125), xc)
+    r = _fma(-n, _f32(1.428606765330187e-06), r)
+    p = _f32(1.3981999507e-3)
+    for c in (8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = _fma(p, r, _f32(c))
+    p = _fma(p, _f32(r * r), _f32(r + _f32(1.0)))
+    e = (p.view(np.int32) + (n.astype(np.int32) << 23)).view(np.float32)
+    return np.where(x > _f32(-87.0), e, _f32(0.0))
+
+
+def test_float32_attention_scores_are_the_fixed_chains_and_tree():
+    """The float32 arithmetic every CPU shares (AVX-512 scores 16 keys from a transposed tile, AVX2
+    scores each key from its cache row in its own register: both must give these bits). Two keys
+    a sequence, values 0 and 1, so each output element is e2 / (e1 + e2) as the kernel rounds it:
+    fp32 scores by the fixed chains and tree, the kernel's exp of each score minus the max, and
+    the sum, reciprocal and product in fp32."""
+    gen = torch.Generator().manual_seed(7)
+    h, hkv, d, block_size, batch = 9, 3, 64, 16, 32
+    k_cache = torch.randn((batch + 1) * block_size, hkv, d, generator=gen)
+    v_cache = torch.zeros_like(k_cache)
+    v_cache.view(batch + 1, block_size, hkv, d)[:, 1] = 1.0  # each block's second key: ones
+    tables = [[i + 1] for i in range(batch)]
+    md = _metadata(tables, [2] * batch, [], block_size)
+    q = torch.randn(batch, h, d, generator=gen) * 2.0
+    backend = InvariantCPUAttention()
+    backend.begin_step(md)
+    k_new, v_new = k_cache[md.slot_mapping].clone(), v_cache[md.slot_mapping].clone()
+    out = backend.forward(0, q, k_new, v_new, (k_cache, v_cache), md, 1.0).view(batch, h, d)
+
+    keys = k_cache.view(batch + 1, block_size, hkv, d)[1:, :2].numpy()  # [batch, 2 keys, hkv, d]
+    kv = np.arange(h) // (h // hkv)
+    qn = q.numpy()
+
+    def expected(score):
+        s1, s2 = score(qn, keys[:, 0, kv]), score(qn, keys[:, 1, kv])  # [batch, h]
+        mx = np.maximum(s1, s2)
+        e1, e2 = _kernel_exp(_f32(s1 - mx)), _kernel_exp(_f32(s2 - mx))
+        return _f32(e2 * _f32(_f32(1.0) / _f32(e1 + e2)))
+
+    want = expected(_kernel_score)
+    got = out[:, :, 0].numpy()
+    assert (out == out[:, :, :1]).all()  # every element of a row is the same e2 / (e1 + e2)
+    assert np.array_equal(got, want)
+    # The test tells summation orders apart: summing d in plain order gives other bits somewhere.
+    def in_order(a, b):
+        acc = _f32(a[..., 0] * b[..., 0])
+        for i in range(1, a.shape[-1]):
+            acc = _fma(a[..., i], b[..., i], acc)
+        return acc
+    assert not np.array_equal(expected(in_order), want)
 
 def _metadata(decode_tables, decode_ctx, spans, block_size):
     """Decodes (table, ctx) then prefill spans (table, context_len, query_len)."""
