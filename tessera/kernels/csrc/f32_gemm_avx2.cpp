@@ -152,16 +152,15 @@ void f32_gemm(const float* x, const float* wt, const float* bias, float* out, in
       // the tiles' own loads (L2 hits) waited behind them. Zen 3, the 121 linears from memory,
       // alternating processes: 32 rows 64.1-64.7 -> 56.2 ms, 8 rows 30.9-31.6 -> 29.3, 256 rows
       // unchanged (benchmarks/linears.py --dtype float32).
+      const int64_t r_end = std::min(m, (g + 1) * group_rows);
+      int64_t r0 = g * group_rows;
       if (ahead.next) {
         ahead.end = ahead.next + k * kPanel * static_cast<int64_t>(sizeof(float));
-        const int64_t rows = std::min(m, (g + 1) * group_rows) - g * group_rows;
-        const int64_t sweeps = (rows + 5) / 6 * (8 / halves / 2);
+        const int64_t sweeps = (r_end - r0 + 5) / 6 * (8 / halves / 2);
         int64_t every = 1;
         while (every * 2 <= std::min<int64_t>(sweeps / 4, 8)) every *= 2;
         ahead.every = every - 1;
       }
-      const int64_t r_end = std::min(m, (g + 1) * group_rows);
-      int64_t r0 = g * group_rows;
       for (; r0 + 6 <= r_end; r0 += 6) rows_over_panel<6>(x + r0 * k, k, w, k, b, out + r0 * n + col0, n, cols, vb, ve, ahead);
       const float* xr = x + r0 * k;
       float* o = out + r0 * n + col0;

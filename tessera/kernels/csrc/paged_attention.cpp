@@ -1068,11 +1068,12 @@ inline void attend_rows(Workspace& ws, int64_t r, const float* kT, const C* cons
     const uint32_t* qr[NR];
     for (int u = 0; u < NR; ++u) qr[u] = ws.qw.data() + (r + u) * (D / 2);
     score_rows_dp<D, NR>(qr, kT, scale, sc);
+    for (int u = 0; u < NR; ++u) corr[u] = softmax_step(sc[u], j0, j1, ws.mx[r + u], ws.den[r + u], pr[u]);
   } else {
     const float* qr[NR];
     for (int u = 0; u < NR; ++u) qr[u] = ws.q.data() + (r + u) * D;
 #if defined(TESSERA_AVX2_HALVES)
-    Scores16 s2[NR];
+    Scores16 s2[NR];  // two registers a row, not a v16f through the stack
     if constexpr (kDirectScores<C>) {
       if (kp) score_rows_direct<C, D, NR>(qr, kp, s2, ws.pf);
       else score_rows_halves<D, NR>(qr, kT, s2);
@@ -1083,12 +1084,9 @@ inline void attend_rows(Workspace& ws, int64_t r, const float* kT, const C* cons
 #else
     (void)kp;
     score_rows<D, NR>(qr, kT, sc);
+    for (int u = 0; u < NR; ++u) corr[u] = softmax_step(sc[u], j0, j1, ws.mx[r + u], ws.den[r + u], pr[u]);
 #endif
   }
-#if defined(TESSERA_AVX2_HALVES)
-  if constexpr (Pairs)
-#endif
-    for (int u = 0; u < NR; ++u) corr[u] = softmax_step(sc[u], j0, j1, ws.mx[r + u], ws.den[r + u], pr[u]);
   if constexpr (Pairs && std::is_same_v<C, at::BFloat16>)
     pv_rows_dp<D, NR>(ar, pc, corr, vc, off, j0, j1);
   else
