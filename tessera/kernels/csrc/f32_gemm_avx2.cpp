@@ -71,6 +71,18 @@ inline void tile(const float* x, int64_t ldx, const float* w, int64_t k, const f
     }
   }
   ahead.next = next;
+  // Full tiles store straight from the registers (+ bias, or + 0 as the scalar path adds it): the
+  // scalar copy below cost ~2% of a 512-row prefill linear (Zen 3, same process, alternating).
+  if (cols >= 8 * V) {
+    __m256 bv[V];
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) bv[v] = bias ? _mm256_loadu_ps(bias + 8 * v) : _mm256_setzero_ps();
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) _mm256_storeu_ps(out + r * ldo + 8 * v, _mm256_add_ps(acc[r][v], bv[v]));
+    return;
+  }
   // Out of the registers with constant indices only (a variable index into acc put it on the
   // stack, stored at every k), then to the output's valid columns.
   alignas(32) float res[R][8 * V];
