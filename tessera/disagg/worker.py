@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 from tessera.config import EngineConfig
 from tessera.disagg.transport import KVTransport, make_transport
 from tessera.engine.handoff import SequenceHandoff
-from tessera.engine.malloc_tuning import keep_freed_memory
-from tessera.engine.openmp_team import release_calling_thread_team
+from tessera.engine.step_thread import hand_over_to_step_thread
 from tessera.outputs import TokenLogprobs
 from tessera.sampling import SamplingParams
 
@@ -102,12 +101,7 @@ class EngineWorker:
         self._load = WorkerLoad()
         self._stopping = False
         self._error: BaseException | None = None
-        # The engine steps on a thread of its own, as AsyncLLMEngine's does, and for the same two
-        # reasons: the loading thread's OpenMP team would make the stepping thread's workers
-        # sleep between regions (tessera.engine.openmp_team), and the new thread's malloc arena
-        # would hand each step's memory back and fault it in again (tessera.engine.malloc_tuning).
-        release_calling_thread_team()
-        keep_freed_memory()
+        hand_over_to_step_thread()  # the engine steps on a thread of its own (see there)
         self._thread = threading.Thread(target=self._run, name="tessera-worker", daemon=True)
         self._thread.start()
 

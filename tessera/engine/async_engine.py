@@ -21,8 +21,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from tessera.engine.malloc_tuning import keep_freed_memory
-from tessera.engine.openmp_team import release_calling_thread_team
+from tessera.engine.step_thread import hand_over_to_step_thread
 from tessera.outputs import RequestOutput
 from tessera.sampling import SamplingParams
 
@@ -117,12 +116,7 @@ class AsyncLLMEngine:
         self._stopping = False
         self._error: BaseException | None = None
         self._stats = engine.stats()
-        # This thread (which loaded the engine) keeps an OpenMP team that would stay beside the
-        # engine thread's and make every worker sleep between regions (tessera.engine.openmp_team).
-        release_calling_thread_team()
-        # The engine thread's malloc arena would give each step's memory back and fault it in
-        # again at the next (tessera.engine.malloc_tuning).
-        keep_freed_memory()
+        hand_over_to_step_thread()  # the engine steps on a thread of its own (see there)
         self._warm_up = warm_up
         self._warmed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tessera-engine", daemon=True)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tessera.engine.async_engine as async_engine
+import tessera.engine.step_thread as step_thread
 from tessera.engine.openmp_team import _loaded_runtime, release_calling_thread_team
 
 needs_two_threads = pytest.mark.skipif((os.cpu_count() or 1) < 2 or _loaded_runtime() is None,
@@ -57,9 +58,9 @@ def test_the_async_engine_releases_the_loading_threads_team_before_its_thread_st
         def has_unfinished_requests(self):
             return False
 
-    monkeypatch.setattr(async_engine, "release_calling_thread_team",
+    monkeypatch.setattr(step_thread, "release_calling_thread_team",
                         lambda: seen.append((threading.current_thread(), threading.active_count())))
-    monkeypatch.setattr(async_engine, "keep_freed_memory", lambda: seen.append(("malloc", threading.active_count())))
+    monkeypatch.setattr(step_thread, "keep_freed_memory", lambda: seen.append(("malloc", threading.active_count())))
     before = threading.active_count()
     engine = async_engine.AsyncLLMEngine(FakeEngine(), idle_poll_s=0.01)
     try:
@@ -76,9 +77,9 @@ def test_the_disagg_worker_does_both_before_its_engine_thread_starts(monkeypatch
     from tessera.config import EngineConfig
 
     seen = []
-    monkeypatch.setattr(worker, "release_calling_thread_team",
+    monkeypatch.setattr(step_thread, "release_calling_thread_team",
                         lambda: seen.append(("team", threading.current_thread(), threading.active_count())))
-    monkeypatch.setattr(worker, "keep_freed_memory",
+    monkeypatch.setattr(step_thread, "keep_freed_memory",
                         lambda: seen.append(("malloc", threading.current_thread(), threading.active_count())))
     before = threading.active_count()
     w = worker.EngineWorker(EngineConfig(model=str(tiny_model_dir), dtype="float32"))
