@@ -34,8 +34,13 @@ def packed_shape(weight: torch.Tensor) -> tuple[int, ...]:
     return (-(-n // 64), k, 64)
 
 
-def _pack(weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] into the zero-filled `out` of `packed_shape(weight)`."""
+def _pack(weight: torch.Tensor, out: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+    """weight [N, K] into the zero-filled `out` of `packed_shape(weight)`. pairs: a float32 gate_up
+    weight (gate rows, then up rows) with its rows in pairs, 8 gate rows then the same 8 up rows in
+    turn, so that one 16-column register tile holds a gate and its up (`pairs_layout_fits`)."""
+    if pairs:
+        inter = weight.shape[0] // 2
+        weight = weight.reshape(2, inter // 8, 8, -1).transpose(0, 1).reshape(weight.shape)
     n, k = weight.shape
     if weight.dtype == torch.bfloat16:
         np_, kp = out.shape[0] * 16, out.shape[1] * 2
@@ -67,6 +72,17 @@ def supported(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
+def pairs_layout_fits(weight: torch.Tensor) -> bool:
+    """Whether a fused gate_up weight takes the paired float32 layout: on the AVX2 register tiles
+    (CPUs without AVX-512), whole 64-column panels (intermediate size a multiple of 32). Its linear
+    then stores silu(gate) * up from the registers (`InvariantLinear.forward_silu`), silu_mul's
+    bits without the [M, 2 x inter] output: the default model's gate_up with its SiLU 7-9% faster
+    at 8-512 rows on a Zen 3 (docs/kernels.md, session 35)."""
+    flags = kernels.cpu_flags()
+    return (weight.dtype == torch.float32 and weight.shape[0] % 64 == 0 and "avx512f" not in flags
+            and kernels.cpu_has_avx2_fma() and supported(torch.float32))
+
+
 def invariant_by_default(dtype: torch.dtype) -> bool:
     """Whether the engine takes these kernels for `dtype` without --deterministic: bf16 wherever
     they exist; float32 where the linear is f32_gemm_avx2.cpp's register tiles (AVX2 + FMA, no
@@ -81,17 +97,22 @@ def invariant_by_default(dtype: torch.dtype) -> bool:
 class InvariantLinear(nn.Module):
     """y = x @ W.T (+ bias) with a batch-invariant kernel; W packed at construction."""
 
-    def __init__(self, weight: torch.Tensor, out: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, out: torch.Tensor | None = None, pairs: bool = False) -> None:
         """out: a zero-filled tensor of `packed_shape(weight)` to pack into (an Arena's, so the
-        weights a step streams sit on huge pages); default a buffer of its own."""
+        weights a step streams sit on huge pages); default a buffer of its own. pairs: a fused
+        gate_up weight in the paired float32 layout (`pairs_layout_fits`)."""
         super().__init__()
         if not supported(weight.dtype):
             raise ValueError(f"no batch-invariant linear kernel for {weight.dtype} on this CPU")
+        if pairs and not pairs_layout_fits(weight):
+            raise ValueError("the paired gate_up layout serves float32 weights of 2 x 32k rows on AVX2 CPUs "
+                             "without AVX-512")
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
+        self.pairs = pairs
         if out is None:
             out = memory.zeros(packed_shape(weight), weight.dtype, huge=True)
-        self.register_buffer("packed", _pack(weight.detach(), out), persistent=False)
+        self.register_buffer("packed", _pack(weight.detach(), out, pairs), persistent=False)
         # GGUF blocks of the same W for decode sizes (tessera/quant/gguf_codes.py): KQ tiles (the
         # layers' Q4/Q5 blocks) or Q8_0 tiles (a tied lm_head), at most one of the two
         self.codes = None
@@ -128,7 +149,16 @@ class InvariantLinear(nn.Module):
         ops = kernels.ops()
         if self.dtype == torch.bfloat16:
             return ops.linear_bf16(x, self.packed, bias, self.out_features, False, BF16_ARITHMETIC)
+        if self.pairs:  # the plain [.., gate | up] output
+            return ops.linear_f32_pairs(x, self.packed, bias, self.out_features, False)
         return ops.linear_f32(x, self.packed, bias, self.out_features)
+
+    def forward_silu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu_mul(forward(x)) of a fused gate_up weight, bit for bit; in one pass where it is
+        paired (the SiLU in the store), else the two calls."""
+        if self.pairs:
+            return kernels.ops().linear_f32_pairs(x, self.packed, None, self.out_features, True)
+        return kernels.ops().silu_mul(self.forward(x).contiguous())
 
     def forward_float(self, x: torch.Tensor) -> torch.Tensor:
         """forward(x).float() in one pass (the logits): bf16 values rounded as forward rounds them."""
@@ -162,6 +192,7 @@ def make_linears_invariant(model: nn.Module) -> int:
 
     Weights already quantized (a module, not a Parameter) are left alone, and so is every
     weight when no kernel exists for the model dtype here."""
+    from tessera.model.layers import SwiGLUMLP
     from tessera.quant.linear import linear_weight_slots, replace_weight
 
     todo = []
@@ -171,7 +202,8 @@ def make_linears_invariant(model: nn.Module) -> int:
             todo.append((owner, name, weight))
     arena = memory.Arena([(packed_shape(w), w.dtype) for _, _, w in todo], huge=True)  # streamed every step
     for owner, name, weight in todo:
-        replace_weight(owner, name, InvariantLinear(weight, arena.take(packed_shape(weight), weight.dtype)))
+        pairs = type(owner) is SwiGLUMLP and name == "gate_up_proj" and pairs_layout_fits(weight)
+        replace_weight(owner, name, InvariantLinear(weight, arena.take(packed_shape(weight), weight.dtype), pairs))
     count = len(todo)
     if count:
         logger.info("batch-invariant linear kernels on %d weights (%s)", count,

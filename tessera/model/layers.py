@@ -265,6 +265,8 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = _empty_param(hidden_size, intermediate_size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self.gate_up_proj, "pairs", False):  # float32, paired: the SiLU in the linear's store
+            return linear(self.gate_up_proj.forward_silu(x), self.down_proj)
         gate_up = linear(x, self.gate_up_proj)
         if kernels.fused(gate_up) and gate_up.is_contiguous():
             return linear(kernels.ops().silu_mul(gate_up), self.down_proj)  # one pass, same rounding

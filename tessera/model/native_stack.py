@@ -103,7 +103,9 @@ def _linear_spec(w) -> tuple[int, int, list[torch.Tensor | None]]:
     if kind is InvariantLinear:
         if w.codes is not None:  # decode sizes from the GGUF blocks (tessera/quant/gguf_codes.py)
             return 4, w.codes_kind, [w.packed, w.codes.codes, w.codes.planes, w.codes.sup]
-        return (0 if w.dtype == torch.bfloat16 else 1), 0, [w.packed]
+        if w.dtype == torch.bfloat16:
+            return 0, 0, [w.packed]
+        return 1, (1 if w.pairs else 0), [w.packed]  # format 1: a gate_up in the paired layout
     if kind is Q4BlocksLinear and w.native_ok():  # float32 x only (the stack's dtype is checked)
         return 5, 0, [w.qs, w.d, w.m]
     if kind is Q8BlocksLinear and w.native_ok():

@@ -120,6 +120,51 @@ def test_float32_linear_is_one_fma_chain_over_k_in_order():
     assert torch.equal(InvariantLinear(weight)(x), acc + 0.0)
 
 
+@pytest.mark.skipif(not linear.pairs_layout_fits(torch.empty(64, 8)),
+                    reason="the paired gate_up layout is the AVX2 tiles' (CPUs without AVX-512)")
+def test_float32_gate_up_in_pairs_gives_the_plain_linear_and_its_silu_mul_bit_for_bit():
+    """A gate_up weight packed in pairs (8 gate rows, then the same 8 up rows) stores the plain
+    output's columns in the plain order, each the one FMA chain of the test above (emulated the
+    same way), and forward_silu gives silu_mul of that output: every row count's tiles (6-row
+    tiles, the 1-5 row rests, 48-row groups), with and without a bias."""
+    gen = torch.Generator().manual_seed(12)
+    inter, k = 96, 70  # three 64-column panels of pairs; k not a multiple of 8
+    weight, bias = torch.randn(2 * inter, k, generator=gen), torch.randn(2 * inter, generator=gen)
+    paired, plain = InvariantLinear(weight, pairs=True), InvariantLinear(weight)
+    assert paired.pairs and not plain.pairs
+    for m in (1, 2, 3, 5, 7, 13, 49):
+        x = torch.randn(m, k, generator=gen)
+        acc = torch.zeros(m, 2 * inter)
+        for j in range(k):
+            acc = (x[:, j:j + 1].double() * weight[:, j].double() + acc.double()).float()
+        assert torch.equal(paired(x, bias), acc + bias)
+        assert torch.equal(paired(x), acc + 0.0)
+        expected = kernels.ops().silu_mul(plain(x))
+        assert torch.equal(paired.forward_silu(x), expected)
+        assert torch.equal(plain.forward_silu(x), expected)
+        # silu_mul itself: silu(gate) * up within float32 rounding of the formula
+        gate, up = (acc + 0.0).double().split(inter, dim=-1)
+        torch.testing.assert_close(expected.double(), gate * torch.sigmoid(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+def test_only_a_float32_swiglu_gate_up_on_the_avx2_tiles_is_paired(tiny_model_factory):
+    """make_linears_invariant pairs the gate_up of a SwiGLU MLP where the layout fits, and no other
+    weight; where it does not fit (AVX-512 CPUs, bf16, other sizes), asking for it is an error."""
+    from tessera.config import EngineConfig
+    from tessera.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_factory()), dtype="float32", deterministic=True))
+    model = engine.runner.model
+    paired = {name for name, mod in model.named_modules() if getattr(mod, "pairs", False)}
+    fits = linear.pairs_layout_fits(torch.empty(64, 8))
+    assert paired == ({f"layers.{i}.mlp.gate_up_proj" for i in range(len(model.layers))} if fits else set())
+    if not fits:
+        with pytest.raises(ValueError, match="paired gate_up layout"):
+            InvariantLinear(torch.randn(64, 8), pairs=True)
+    with pytest.raises(ValueError, match="paired gate_up layout"):
+        InvariantLinear(torch.randn(48, 8), pairs=True)  # 2 x 24 rows: not whole 64-column panels
+
+
 def _naive_attention(q, k_cache, v_cache, slots, scale):
     """q [H, d] attending to the cache rows `slots` (float64, exact softmax)."""
     h, d = q.shape

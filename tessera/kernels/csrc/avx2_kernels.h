@@ -21,5 +21,10 @@ void silu_mul_rows(const float* gu, float* out, int64_t rows, int64_t inter);
 // loop computes it.
 void f32_gemm(const float* x, const float* wt, const float* bias, float* out, int64_t m, int64_t n, int64_t np,
               int64_t k);
+// The same for a gate_up weight of n = 2 x inter columns packed in pairs (8 gate rows, then the
+// same 8 up rows, in turn; n a multiple of 64): out [m, n] in the plain order (gate, then up), or
+// with silu, out [m, inter] = silu(gate) * up, silu_mul's arithmetic on that output.
+void f32_gemm_pairs(const float* x, const float* wt, const float* bias, float* out, int64_t m, int64_t n, int64_t k,
+                    bool silu);
 
 }  // namespace tessera_avx2

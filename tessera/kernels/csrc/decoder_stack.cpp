@@ -15,6 +15,7 @@
 // per linear (qkv, o, gate_up, down of each layer) four tensor slots in `lin_tensors` and two
 // ints in `lin_meta` (kind, format), kinds:
 //   0 bf16 InvariantLinear: linear_bf16(x, packed)         1 fp32 InvariantLinear: linear_f32(x, wt)
+//     (format 1: a gate_up packed in pairs, linear_f32_pairs, its SiLU in the store);
 //   2 tessera_qgemm::qgemm(x, codes, scale, zero?, format)  3 tessera_qgemm::kqgemm(x, codes, planes,
 //     sup, sub?, format) -- the quantized modules' batch-invariant kernels; their bias is added
 //     after the product (QuantLinear does `y + bias`), a float linear's inside it;
@@ -115,6 +116,8 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
   static const auto silu_mul = op<at::Tensor(const at::Tensor&)>("tessera_inv::silu_mul");
   static const auto bf16_linear_silu = op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)>(
       "tessera_inv::linear_bf16_silu");
+  static const auto f32_pairs = op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t, bool)>(
+      "tessera_inv::linear_f32_pairs");
 
   TORCH_CHECK(dims.size() == 5, "decoder_stack: dims = (heads, kv_heads, head_dim, hidden, intermediate)");
   const int64_t h = dims[0], hkv = dims[1], d = dims[2], hidden_size = dims[3], inter = dims[4];
@@ -138,6 +141,7 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
   auto linear = [&](int64_t l, int64_t j, const at::Tensor& x, const OptTensor& bias, int64_t n) {
     const int64_t li = 4 * l + j, kind = lin_meta[2 * li], fmt = lin_meta[2 * li + 1];
     if (takes_bf16(li, x, bias)) return bf16_linear.call(x, *lin_tensors.get(4 * li), bias, n, false, -1);
+    if (kind == 1 && fmt == 1) return f32_pairs.call(x, *lin_tensors.get(4 * li), bias, n, false);
     if (kind == 1) return f32.call(x, *lin_tensors.get(4 * li), bias, n);
     if (kind == 4)
       return kq_linear(x, *lin_tensors.get(4 * li + 1), *lin_tensors.get(4 * li + 2), *lin_tensors.get(4 * li + 3),
@@ -163,12 +167,14 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
     const at::Tensor o = linear(l, 1, attn, none, hidden_size);
     std::tie(normed, residual) = norm.call(o, OptTensor(residual), w[1], eps);
     // gate_up and silu_mul in one call (the silu in the GEMM's store epilogue: the same bits, no
-    // [T, 2 * inter] output) where the bf16 weight serves it, and where quantized tiles or GGUF
-    // blocks do on bf16 x; float32 linears in turn
+    // [T, 2 * inter] output) where the bf16 weight serves it, where a float32 one is packed in
+    // pairs, and where quantized tiles or GGUF blocks do on bf16 x; other float32 linears in turn
     const int64_t gi = 4 * l + 2, gkind = lin_meta[2 * gi];
     at::Tensor act;
     if (takes_bf16(gi, normed, none))
       act = bf16_linear_silu.call(normed, *lin_tensors.get(4 * gi), 2 * inter, -1);
+    else if (gkind == 1 && lin_meta[2 * gi + 1] == 1)
+      act = f32_pairs.call(normed, *lin_tensors.get(4 * gi), none, 2 * inter, true);
     else if (bf16 && inter % 16 == 0 && gkind >= 2 && gkind <= 4)
       act = gated_quant_linear(normed, lin_tensors, 4 * gi, gkind, lin_meta[2 * gi + 1], 2 * inter);
     else

@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "avx2_kernels.h"
+#include "silu_rows.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
@@ -32,10 +33,18 @@ struct Ahead {
   int64_t every = 0;  // a line at the k steps where (k & every) == 0 (every + 1 a power of two)
 };
 
-// Rows [0, R) x panel columns [8 v0, 8 (v0 + V)) of out: x rows at stride ldx, w the panel.
-template <int R, int V>
+// What a tile stores. kPlain: its columns as they are. A gate_up weight packed in pairs
+// (tessera/kernels/linear.py: 8 gate rows then the same 8 up rows, in turn) gives even vectors of
+// gate and odd vectors of up columns: kPairsSplit stores them to out's gate and up halves (the
+// plain [M, 2 x inter] output), kPairsSilu stores silu(gate) * up (silu_mul of that output).
+enum Store { kPlain, kPairsSplit, kPairsSilu };
+
+// Rows [0, R) x panel columns [8 v0, 8 (v0 + V)) of out: x rows at stride ldx, w the panel. For
+// pairs, out, bias and up_bias point at the tile's first pair's gate column (up_off: from a gate
+// column of out to its up column, kPairsSplit), and the tile is whole (V even, 64-column panels).
+template <int R, int V, Store S = kPlain>
 inline void tile(const float* x, int64_t ldx, const float* w, int64_t k, const float* bias, float* out,
-                 int64_t ldo, int cols, Ahead& ahead) {
+                 int64_t ldo, int cols, Ahead& ahead, const float* up_bias = nullptr, int64_t up_off = 0) {
   __m256 acc[R][V];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
@@ -71,6 +80,22 @@ inline void tile(const float* x, int64_t ldx, const float* w, int64_t k, const f
     }
   }
   ahead.next = next;
+  if constexpr (S != kPlain) {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int j = 0; j < V / 2; ++j) {
+        const __m256 g = _mm256_add_ps(acc[r][2 * j], bias ? _mm256_loadu_ps(bias + 8 * j) : _mm256_setzero_ps());
+        const __m256 u = _mm256_add_ps(acc[r][2 * j + 1], bias ? _mm256_loadu_ps(up_bias + 8 * j) : _mm256_setzero_ps());
+        if constexpr (S == kPairsSilu) {
+          _mm256_storeu_ps(out + r * ldo + 8 * j, _mm256_mul_ps(silu8(g), u));
+        } else {
+          _mm256_storeu_ps(out + r * ldo + 8 * j, g);
+          _mm256_storeu_ps(out + r * ldo + up_off + 8 * j, u);
+        }
+      }
+    return;
+  }
   // Full tiles store straight from the registers (+ bias, or + 0 as the scalar path adds it): the
   // scalar copy below cost ~2% of a 512-row prefill linear (Zen 3, same process, alternating).
   if (cols >= 8 * V) {
@@ -97,23 +122,28 @@ inline void tile(const float* x, int64_t ldx, const float* w, int64_t k, const f
 
 // R rows over vectors [vb, ve) of a panel (8 columns each), V vectors a tile, R x V <= 12
 // accumulators.
-template <int R>
+template <int R, Store S = kPlain>
 inline void rows_over_panel(const float* x, int64_t ldx, const float* w, int64_t k, const float* bias, float* out,
-                            int64_t ldo, int cols, int vb, int ve, Ahead& ahead) {
+                            int64_t ldo, int cols, int vb, int ve, Ahead& ahead, const float* up_bias = nullptr,
+                            int64_t up_off = 0) {
+  // where vector v0's tile stores: column 8 v0 of the panel, or (pairs) its pair v0 / 2's gate column
+  constexpr int kPer = S == kPlain ? 8 : 4;
   for (int v0 = vb; v0 < ve && 8 * v0 < cols; ) {
-    const float* b = bias ? bias + 8 * v0 : nullptr;
+    const float* b = bias ? bias + kPer * v0 : nullptr;
+    const float* ub = up_bias ? up_bias + kPer * v0 : nullptr;
+    float* o = out + kPer * v0;
     const int left = cols - 8 * v0;
     if constexpr (R == 1) {
       if (ve - v0 >= 8) {
-        tile<1, 8>(x, ldx, w + 8 * v0, k, b, out + 8 * v0, ldo, left, ahead);
+        tile<1, 8, S>(x, ldx, w + 8 * v0, k, b, o, ldo, left, ahead, ub, up_off);
         v0 += 8;
       } else {
-        tile<1, 4>(x, ldx, w + 8 * v0, k, b, out + 8 * v0, ldo, left, ahead);
+        tile<1, 4, S>(x, ldx, w + 8 * v0, k, b, o, ldo, left, ahead, ub, up_off);
         v0 += 4;
       }
     } else {
       constexpr int V = R == 2 ? 4 : 2;
-      tile<R, V>(x, ldx, w + 8 * v0, k, b, out + 8 * v0, ldo, left, ahead);
+      tile<R, V, S>(x, ldx, w + 8 * v0, k, b, o, ldo, left, ahead, ub, up_off);
       v0 += V;
     }
   }
@@ -121,15 +151,18 @@ inline void rows_over_panel(const float* x, int64_t ldx, const float* w, int64_t
 
 }  // namespace
 
-namespace tessera_avx2 {
+namespace {
 
 // Work items are (panel, column half, row group), panel-major, shared out as contiguous ranges:
 // a thread's consecutive items reuse one panel from L2. Halves where there are few panels (a
 // 576-column linear has 9: 5 against 4 left a thread idle a ninth of the call), row groups of
 // 48 above 48 rows (prefill chunks). Who computes an output never changes its arithmetic.
-void f32_gemm(const float* x, const float* wt, const float* bias, float* out, int64_t m, int64_t n, int64_t np,
-              int64_t k) {
+// Pairs (S != kPlain): n = 2 x inter columns packed in pairs, n a multiple of 64 (whole panels); a
+// panel's 32 pairs are gate (and up) columns [32 p, 32 p + 32).
+template <Store S>
+void gemm(const float* x, const float* wt, const float* bias, float* out, int64_t m, int64_t n, int64_t np, int64_t k) {
   constexpr int64_t kRowGroup = 48;
+  const int64_t ldo = S == kPairsSilu ? n / 2 : n;
   const int64_t panels = np / kPanel;
   const int64_t halves = panels < 16 ? 2 : 1;
   const int64_t groups = m <= kRowGroup ? 1 : (m + kRowGroup - 1) / kRowGroup;
@@ -139,10 +172,13 @@ void f32_gemm(const float* x, const float* wt, const float* bias, float* out, in
       const int64_t g = item % groups, ph = item / groups, p = ph / halves, h = ph % halves;
       const int64_t col0 = p * kPanel;
       const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - col0));
+      const int64_t out0 = S == kPlain ? col0 : p * kPanel / 2;  // the panel's first output column
       const int vb = static_cast<int>(h * (8 / halves)), ve = vb + static_cast<int>(8 / halves);
       if (cols <= 8 * vb) continue;
       const float* w = wt + p * k * kPanel;
-      const float* b = bias ? bias + col0 : nullptr;
+      const float* b = bias ? bias + out0 : nullptr;
+      const float* ub = S != kPlain && bias ? bias + n / 2 + out0 : nullptr;
+      const int64_t up_off = S == kPairsSplit ? n / 2 : 0;
       // The weights this thread reads next go towards L2 while these rows are computed, a line a
       // k: the first row tile over a panel reads it from memory one line a k per 16 columns,
       // too few lines in flight for the memory's latency. "Next" is the panel itself during its
@@ -173,19 +209,38 @@ void f32_gemm(const float* x, const float* wt, const float* bias, float* out, in
         while (every * 2 <= std::min<int64_t>(sweeps / 4, 8)) every *= 2;
         ahead.every = every - 1;
       }
-      for (; r0 + 6 <= r_end; r0 += 6) rows_over_panel<6>(x + r0 * k, k, w, k, b, out + r0 * n + col0, n, cols, vb, ve, ahead);
+      for (; r0 + 6 <= r_end; r0 += 6)
+        rows_over_panel<6, S>(x + r0 * k, k, w, k, b, out + r0 * ldo + out0, ldo, cols, vb, ve, ahead, ub, up_off);
       const float* xr = x + r0 * k;
-      float* o = out + r0 * n + col0;
+      float* o = out + r0 * ldo + out0;
       switch (r_end - r0) {
-        case 5: rows_over_panel<5>(xr, k, w, k, b, o, n, cols, vb, ve, ahead); break;
-        case 4: rows_over_panel<4>(xr, k, w, k, b, o, n, cols, vb, ve, ahead); break;
-        case 3: rows_over_panel<3>(xr, k, w, k, b, o, n, cols, vb, ve, ahead); break;
-        case 2: rows_over_panel<2>(xr, k, w, k, b, o, n, cols, vb, ve, ahead); break;
-        case 1: rows_over_panel<1>(xr, k, w, k, b, o, n, cols, vb, ve, ahead); break;
+        case 5: rows_over_panel<5, S>(xr, k, w, k, b, o, ldo, cols, vb, ve, ahead, ub, up_off); break;
+        case 4: rows_over_panel<4, S>(xr, k, w, k, b, o, ldo, cols, vb, ve, ahead, ub, up_off); break;
+        case 3: rows_over_panel<3, S>(xr, k, w, k, b, o, ldo, cols, vb, ve, ahead, ub, up_off); break;
+        case 2: rows_over_panel<2, S>(xr, k, w, k, b, o, ldo, cols, vb, ve, ahead, ub, up_off); break;
+        case 1: rows_over_panel<1, S>(xr, k, w, k, b, o, ldo, cols, vb, ve, ahead, ub, up_off); break;
         default: break;
       }
     }
   });
+}
+
+}  // namespace
+
+namespace tessera_avx2 {
+
+void f32_gemm(const float* x, const float* wt, const float* bias, float* out, int64_t m, int64_t n, int64_t np,
+              int64_t k) {
+  gemm<kPlain>(x, wt, bias, out, m, n, np, k);
+}
+
+void f32_gemm_pairs(const float* x, const float* wt, const float* bias, float* out, int64_t m, int64_t n, int64_t k,
+                    bool silu) {
+  if (silu) {
+    gemm<kPairsSilu>(x, wt, bias, out, m, n, n, k);
+  } else {
+    gemm<kPairsSplit>(x, wt, bias, out, m, n, n, k);
+  }
 }
 
 }  // namespace tessera_avx2
