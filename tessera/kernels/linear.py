@@ -105,8 +105,8 @@ class InvariantLinear(nn.Module):
         if not supported(weight.dtype):
             raise ValueError(f"no batch-invariant linear kernel for {weight.dtype} on this CPU")
         if pairs and not pairs_layout_fits(weight):
-            raise ValueError("the paired gate_up layout serves float32 weights of 2 x 32k rows on AVX2 CPUs "
-                             "without AVX-512")
+            raise ValueError("the paired gate_up layout serves float32 gate_up weights whose intermediate size "
+                             "is a multiple of 32, on AVX2 CPUs without AVX-512")
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         self.pairs = pairs
