@@ -78,9 +78,13 @@ def pairs_layout_fits(weight: torch.Tensor) -> bool:
     then stores silu(gate) * up from the registers (`InvariantLinear.forward_silu`), silu_mul's
     bits without the [M, 2 x inter] output: the default model's gate_up with its SiLU 7-9% faster
     at 8-512 rows on a Zen 3 (docs/kernels.md, session 35)."""
-    flags = kernels.cpu_flags()
-    return (weight.dtype == torch.float32 and weight.shape[0] % 64 == 0 and "avx512f" not in flags
-            and kernels.cpu_has_avx2_fma() and supported(torch.float32))
+    return weight.dtype == torch.float32 and weight.shape[0] % 64 == 0 and _on_avx2_tiles()
+
+
+def _on_avx2_tiles() -> bool:
+    """Whether the float32 linear runs f32_gemm_avx2.cpp's register tiles here (AVX2 + FMA, no
+    AVX-512), with the kernels built."""
+    return supported(torch.float32) and "avx512f" not in kernels.cpu_flags() and kernels.cpu_has_avx2_fma()
 
 
 def invariant_by_default(dtype: torch.dtype) -> bool:
@@ -89,9 +93,7 @@ def invariant_by_default(dtype: torch.dtype) -> bool:
     AVX-512: Zen 3), faster than MKL there at 1, 32 and 256 rows (docs/kernels.md, session 31)."""
     if not supported(dtype):
         return False
-    flags = kernels.cpu_flags()
-    return dtype == torch.bfloat16 or (dtype == torch.float32 and "avx512f" not in flags
-                                       and kernels.cpu_has_avx2_fma())
+    return dtype == torch.bfloat16 or (dtype == torch.float32 and _on_avx2_tiles())
 
 
 class InvariantLinear(nn.Module):

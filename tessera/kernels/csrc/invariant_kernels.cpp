@@ -502,15 +502,19 @@ std::tuple<at::Tensor, at::Tensor> linear_bf16_argmax(const at::Tensor& x, const
 
 #pragma GCC pop_options
 
+// AVX2 without AVX-512 (Zen 3): the float32 linears run f32_gemm_avx2.cpp's register tiles (the
+// same arithmetic); the loop below keeps 4 x 64 accumulators, which spill there.
+bool avx2_tiles() {
+  static const bool yes = !__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
+                          __builtin_cpu_supports("fma");
+  return yes;
+}
+
 // fp32: out[m, n] = sum_k x[m, k] * wt[k, n] in k order, 64 columns x 4 rows at a time.
 // wt is the weight in panels of 64 columns, [Np / 64, K, 64], Np = N padded to a multiple of 64.
 void f32_gemm(const float* x, const float* wt, const float* bias, float* out, int64_t m, int64_t n, int64_t np,
               int64_t k) {
-  // AVX2 without AVX-512 (Zen 3): register tiles with the same arithmetic (f32_gemm_avx2.cpp);
-  // this loop's 4 x 64 accumulators spill there.
-  static const bool avx2_tiles = !__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
-                                 __builtin_cpu_supports("fma");
-  if (avx2_tiles) return tessera_avx2::f32_gemm(x, wt, bias, out, m, n, np, k);
+  if (avx2_tiles()) return tessera_avx2::f32_gemm(x, wt, bias, out, m, n, np, k);
   constexpr int kCols = 64, kRows = 4;
   const int64_t col_blocks = np / kCols;
   at::parallel_for(0, col_blocks, 1, [&](int64_t begin, int64_t end) {
@@ -538,20 +542,30 @@ void f32_gemm(const float* x, const float* wt, const float* bias, float* out, in
   });
 }
 
-at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& wt, const c10::optional<at::Tensor>& bias, int64_t n) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && wt.scalar_type() == at::kFloat, "linear_f32: float32 only");
+// x's rows [M, K] (any leading shape) times a float32 panel weight into a new [.., n_out] output:
+// gemm(rows, m, k, bias or nullptr, out) fills it.
+template <typename Gemm>
+at::Tensor f32_linear_call(const char* name, const at::Tensor& x, const at::Tensor& wt,
+                           const c10::optional<at::Tensor>& bias, int64_t n_out, Gemm&& gemm) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && wt.scalar_type() == at::kFloat, name, ": float32 only");
   auto rows = x.reshape({-1, x.size(-1)}).contiguous();
   const int64_t m = rows.size(0), k = rows.size(1);
-  TORCH_CHECK(wt.dim() == 3 && wt.size(1) == k && wt.size(2) == 64 && wt.size(0) * 64 >= n,
-              "linear_f32: bad packed weight (panels [np / 64, k, 64])");
-  auto out = at::empty({m, n}, x.options());
+  TORCH_CHECK(wt.dim() == 3 && wt.size(1) == k && wt.size(2) == 64, name, ": bad packed weight (panels [np / 64, k, 64])");
+  auto out = at::empty({m, n_out}, x.options());
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) bias_f = bias->to(at::kFloat).contiguous();
-  f32_gemm(rows.data_ptr<float>(), wt.data_ptr<float>(), bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
-           out.data_ptr<float>(), m, n, wt.size(0) * 64, k);
+  gemm(rows.data_ptr<float>(), m, k, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, out.data_ptr<float>());
   auto shape = x.sizes().vec();
-  shape.back() = n;
+  shape.back() = n_out;
   return out.view(shape);
+}
+
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& wt, const c10::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(wt.dim() == 3 && wt.size(0) * 64 >= n, "linear_f32: the packed weight has fewer than ", n, " columns");
+  return f32_linear_call("linear_f32", x, wt, bias, n, [&](const float* rows, int64_t m, int64_t k, const float* b,
+                                                            float* out) {
+    f32_gemm(rows, wt.data_ptr<float>(), b, out, m, n, wt.size(0) * 64, k);
+  });
 }
 
 // A gate_up weight of n = 2 x inter columns packed in pairs (linear.py's _pack with pairs: 8 gate
@@ -561,22 +575,13 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& wt, const c10::opti
 // float32 prefill on a Zen 3).
 at::Tensor linear_f32_pairs(const at::Tensor& x, const at::Tensor& wt, const c10::optional<at::Tensor>& bias, int64_t n,
                             bool silu) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && wt.scalar_type() == at::kFloat, "linear_f32_pairs: float32 only");
-  TORCH_CHECK(!__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
-              "linear_f32_pairs: the paired layout is the AVX2 tiles' (CPUs without AVX-512)");
-  auto rows = x.reshape({-1, x.size(-1)}).contiguous();
-  const int64_t m = rows.size(0), k = rows.size(1);
-  TORCH_CHECK(n % 64 == 0 && wt.dim() == 3 && wt.size(0) * 64 == n && wt.size(1) == k && wt.size(2) == 64,
+  TORCH_CHECK(avx2_tiles(), "linear_f32_pairs: the paired layout is the AVX2 tiles' (CPUs without AVX-512)");
+  TORCH_CHECK(n % 64 == 0 && wt.dim() == 3 && wt.size(0) * 64 == n,
               "linear_f32_pairs: a paired weight of n = 2 x inter columns, inter a multiple of 32");
-  const int64_t n_out = silu ? n / 2 : n;
-  auto out = at::empty({m, n_out}, x.options());
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) bias_f = bias->to(at::kFloat).contiguous();
-  tessera_avx2::f32_gemm_pairs(rows.data_ptr<float>(), wt.data_ptr<float>(),
-                               bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, out.data_ptr<float>(), m, n, k, silu);
-  auto shape = x.sizes().vec();
-  shape.back() = n_out;
-  return out.view(shape);
+  return f32_linear_call("linear_f32_pairs", x, wt, bias, silu ? n / 2 : n,
+                         [&](const float* rows, int64_t m, int64_t k, const float* b, float* out) {
+                           tessera_avx2::f32_gemm_pairs(rows, wt.data_ptr<float>(), b, out, m, n, k, silu);
+                         });
 }
 
 }  // namespace
