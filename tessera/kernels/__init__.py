@@ -18,7 +18,8 @@ from tessera.native import load_extension
 
 _SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in (
     "invariant_kernels.cpp", "paged_attention.cpp", "fused_ops.cpp", "fused_avx2.cpp", "f32_gemm_avx2.cpp",
-    "decoder_stack.cpp", "sampling.cpp", "argmax_rows.h", "silu_rows.h", "avx2_kernels.h"))
+    "decoder_stack.cpp", "sampling.cpp", "argmax_rows.h", "silu_rows.h", "avx2_kernels.h", "sampling_lanes_avx512.h",
+    "sampling_lanes_avx2.h", "sampling_rows.h"))
 
 
 @functools.cache
@@ -66,6 +67,8 @@ def fused(x: torch.Tensor) -> bool:
 
 
 def sampling_ops(x: torch.Tensor) -> bool:
-    """Whether sampling.cpp's AVX-512 ops (softmax, seeded uniforms) can take x: CPU float32 on
-    the CPUs with AVX-512 BF16 (they have no AVX2 twin: Zen 3 keeps the torch sampler)."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and cpu_has_avx512_bf16() and available()
+    """Whether sampling.cpp's vectorized ops (softmax, nucleus, seeded uniforms) can take x: CPU
+    float32 on the CPUs with AVX-512 BF16 or with AVX2 and FMA (Zen 3: the same bits on 8-lane
+    halves)."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and (cpu_has_avx512_bf16() or cpu_has_avx2_fma())
+            and available())

@@ -16,7 +16,7 @@ from tessera.engine.sampler import Sampler
 from tessera.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not native_softmax_ops(torch.zeros(1, 1)),
-                                reason="the native sampling ops need the C++ kernels and AVX-512")
+                                reason="the native sampling ops need the C++ kernels and AVX2 + FMA or AVX-512")
 
 
 def _rows(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,3 +226,40 @@ def test_sampler_takes_the_native_kept_set_for_seeded_and_min_p_top_p_rows(monke
         ids, _ = _nucleus_reference(x[r], 0.8, 0.9)
         top3 = x[r].sort(descending=True, stable=True).indices[:3]  # ties: the lower ids
         assert out.token_ids[r] in (top3.tolist() if p.top_k > 0 else ids.tolist())
+
+
+_LANE_CASES = """
+import sys, torch
+from tessera import kernels
+gen = torch.Generator().manual_seed(3)
+x = torch.randn(6, 49157, generator=gen) * torch.tensor([0.5, 1.0, 2.0, 3.0, 6.0, 12.0])[:, None]
+x[1, ::5] = float("-inf")
+x[2] = x[2].bfloat16().float()
+t, p = torch.tensor([1.0, 0.7, 1.3, 0.25, 0.9, 2.0]), torch.tensor([0.95, 0.5, 0.999, 0.9, 0.3, 0.97])
+u = torch.rand(6, generator=gen, dtype=torch.float64)
+assert kernels.available()
+ops = kernels.ops()
+keys = torch.tensor([[5, 9], [2**31 - 2, 0]])
+torch.save([ops.sample_softmax(x, t, u), *ops.softmax_normalizers(x, t), ops.sample_top_p(x, t, p, u),
+            *ops.top_p_kept(x, t, p, torch.full((6,), 0.01)), ops.seeded_uniforms(keys, None, 49157)], sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(not {"avx512f", "avx512dq"} <= kernels.cpu_flags() or not kernels.cpu_has_avx2_fma(),
+                    reason="compares the AVX-512 and AVX2 lanes: needs a CPU with both")
+def test_avx2_lanes_give_the_avx512_lanes_bits(tmp_path):
+    """sampling_lanes_avx2.h emulates every AVX-512 lane operation and reduction tree of
+    sampling_lanes_avx512.h: the draws, normalizers, nuclei and hashed uniforms are the same bits
+    (TESSERA_SAMPLING_LANES=avx2 forces the AVX2 lanes in a process of its own)."""
+    import os
+    import subprocess
+    import sys
+
+    results = {}
+    for lanes in ("avx512", "avx2"):
+        out = tmp_path / f"{lanes}.pt"
+        env = dict(os.environ, TESSERA_SAMPLING_LANES=lanes)
+        subprocess.run([sys.executable, "-c", _LANE_CASES, str(out)], check=True, env=env)
+        results[lanes] = torch.load(out)
+    for a, b in zip(results["avx512"], results["avx2"], strict=True):
+        assert torch.equal(a, b)

@@ -498,7 +498,7 @@ def test_seeded_noise_is_never_zero_even_at_the_top_hash_value(monkeypatch):
     assert bool((noise > 0).all())
 
 
-@pytest.mark.skipif(not kernels.sampling_ops(torch.zeros(1)), reason="the native hash needs the C++ kernels and AVX-512")
+@pytest.mark.skipif(not kernels.sampling_ops(torch.zeros(1)), reason="the native hash needs the C++ kernels and AVX2 + FMA or AVX-512")
 def test_native_seeded_hash_equals_the_torch_integer_ops(monkeypatch):
     # seeded_uniforms (sampling.cpp, uint32 lanes) against _hashed_uniforms (torch int64 ops masked
     # to 32 bits): the same integers, so the same noise, for whole rows and for chosen tokens;
