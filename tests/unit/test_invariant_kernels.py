@@ -110,14 +110,17 @@ def test_float32_linear_is_one_fma_chain_over_k_in_order():
     as an exact float64 product and sum rounded to float32 (a double rounding that can differ from
     the fused one only at near-ties, which these values do not hit)."""
     gen = torch.Generator().manual_seed(11)
-    n, k, m = 136, 70, 13  # a ragged last panel; 6-row tiles and a 1-row rest
+    n, k = 136, 70  # a ragged last panel
     weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
-    x = torch.randn(m, k, generator=gen)
-    acc = torch.zeros(m, n)
-    for j in range(k):
-        acc = (x[:, j:j + 1].double() * weight[:, j].double() + acc.double()).float()
-    assert torch.equal(InvariantLinear(weight)(x, bias), acc + bias)
-    assert torch.equal(InvariantLinear(weight)(x), acc + 0.0)
+    # 13 rows: 6-row tiles and a 1-row rest; 1 and 4 rows: a thread's two halves of a panel as one
+    # item (f32_gemm_avx2.cpp), beside halves left apart at the threads' boundary
+    for m in (13, 1, 4):
+        x = torch.randn(m, k, generator=gen)
+        acc = torch.zeros(m, n)
+        for j in range(k):
+            acc = (x[:, j:j + 1].double() * weight[:, j].double() + acc.double()).float()
+        assert torch.equal(InvariantLinear(weight)(x, bias), acc + bias), m
+        assert torch.equal(InvariantLinear(weight)(x), acc + 0.0), m
 
 
 @pytest.mark.skipif(not linear.pairs_layout_fits(torch.empty(64, 8)),
