@@ -213,6 +213,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kept_head(
 // The ops registered below call the one the CPU has. On Zen 3 the sampler had kept its torch
 // paths: a 32-row float32 step's sampling took 16.2 ms for top-p-only rows and 2.6 ms for
 // temperature-only ones, 3.2 and 0.87 ms here (engine_overhead.py, session 36).
+// The exp of both lane files (vexp_nonpositive): x = n ln2 + r, ln2 in two parts, e^r by its
+// degree-6 Taylor polynomial (highest degree first), e^x = 0 below the clamp.
+constexpr float kExpClamp = -110.0f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693145751953125f, kLn2Lo = 1.428606765330187045e-06f;
+constexpr float kExpPoly[7] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512dq,fma")
 namespace lanes512 {
