@@ -13,8 +13,8 @@ strictly higher logprob, so tied tokens share the better rank.
 Top-k and top-p never sort the whole vocabulary: tessera.engine.candidates finds each row's
 kept tokens from a torch.topk fetch of its head, with exactly the semantics of `filter_logits`
 (the full-sort reference, which the speculative verifier still uses). Top-p-only rows (no
-top-k) on CPUs with AVX-512 or AVX2 + FMA take native ops instead (`_sample_nucleus`, `_sample_top_p_kept`): a
-nucleus of thousands of tokens made that fetch widen to the whole row.
+top-k) on CPUs with AVX-512 or AVX2 + FMA take native ops instead (`_sample_nucleus`,
+`_sample_top_p_kept`): a nucleus of thousands of tokens made that fetch widen to the whole row.
 
 Randomness: a seeded request (a row with its own torch.Generator) draws by an exponential
 race, argmax(probs / E) with E ~ Exponential(1) per token: each random step takes one key (two

@@ -175,12 +175,12 @@ void gemm(const float* x, const float* wt, const float* bias, float* out, int64_
       const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - col0));
       const int64_t out0 = S == kPlain ? col0 : p * kPanel / 2;  // the panel's first output column
       int vb = static_cast<int>(h * (8 / halves)), ve = vb + static_cast<int>(8 / halves);
-      // Both halves of a panel in this thread's range, at up to 6 rows (one row tile: each weight
-      // line is read once): one item, the panel's 4 lines of a k row read in turn. As halves, the
-      // first read 2 lines of every 4 and prefetched the others. Zen 3, one row, the decoder
-      // stack's calls (profiler, us): qkv 78-80 -> 73-75, o 49-50 -> 46, down 124-126 -> 115-116.
-      // Not above 6 rows: at 32, down's whole panel (k = 1536, 393 KB) and x outgrew the L2
-      // (441 -> 461 us).
+      // At up to 6 rows (one row group and one row tile: each weight line is read once), a
+      // thread whose range holds both halves of a panel (item + 1 is the other half) runs them
+      // as one item that reads the panel's 4 lines of a k row in turn. As halves, the first read
+      // 2 lines of every 4 and prefetched the others. Zen 3, one row, the decoder stack's calls
+      // (profiler, us): qkv 78-80 -> 73-75, o 49-50 -> 46, down 124-126 -> 115-116. Not above 6
+      // rows: at 32, down's whole panel (k = 1536, 393 KB) and x outgrew the L2 (441 -> 461 us).
       if (halves == 2 && m <= 6 && h == 0 && item + 1 < end) {
         ve = 8, h = 1, ++item;
       }
