@@ -46,12 +46,13 @@ inline VF vkeep(VM m, VF x) { return vselect(m, x, vzero()); }
 inline VM vlt(VF a, VF b) { return mask_of(_mm256_cmp_ps(a.lo, b.lo, _CMP_LT_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_LT_OQ)); }
 inline VM vle(VF a, VF b) { return mask_of(_mm256_cmp_ps(a.lo, b.lo, _CMP_LE_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_LE_OQ)); }
 inline VM vgt(VF a, VF b) { return mask_of(_mm256_cmp_ps(a.lo, b.lo, _CMP_GT_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_GT_OQ)); }
-inline float vreduce_max(VF a) {  // exact in any order
-  __m256 m = _mm256_max_ps(a.lo, a.hi);
-  __m128 q = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  q = _mm_max_ps(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(1, 0, 3, 2)));
-  q = _mm_max_ps(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm_cvtss_f32(q);
+// _mm512_reduce_max_ps' tree and operand order (max returns its second operand for a NaN, so
+// even a row with NaNs gets the same value)
+inline float vreduce_max(VF a) {
+  const __m256 m = _mm256_max_ps(a.hi, a.lo);
+  const __m128 q = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
+  const __m128 r = _mm_max_ps(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(_mm_max_ps(r, _mm_shuffle_ps(r, r, _MM_SHUFFLE(0, 1, 0, 1))));
 }
 inline float vreduce_add(VF a) {  // _mm512_reduce_add_ps' tree: (l + l8), then (+ l4), (+ l2), (+ l1)
   const __m256 t = _mm256_add_ps(a.hi, a.lo);
