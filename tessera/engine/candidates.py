@@ -204,7 +204,7 @@ def _native_ops_for(x: torch.Tensor) -> bool:
 def native_softmax_ops(logits: torch.Tensor) -> bool:
     """Whether the native softmax ops (sample_softmax, softmax_normalizers in
     tessera/kernels/csrc/sampling.cpp) can take these logits: CPU float32, the native kernels
-    built, AVX-512 BF16 or AVX2 + FMA (kernels.sampling_ops)."""
+    built, AVX2 + FMA (kernels.sampling_ops)."""
     return logits.device.type == "cpu" and kernels.sampling_ops(logits)
 
 

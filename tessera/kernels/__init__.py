@@ -68,7 +68,6 @@ def fused(x: torch.Tensor) -> bool:
 
 def sampling_ops(x: torch.Tensor) -> bool:
     """Whether sampling.cpp's vectorized ops (softmax, nucleus, seeded uniforms) can take x: CPU
-    float32 on the CPUs with AVX-512 BF16 or with AVX2 and FMA (Zen 3: the same bits on 8-lane
-    halves)."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and (cpu_has_avx512_bf16() or cpu_has_avx2_fma())
-            and available())
+    float32 on CPUs with AVX2 and FMA (every AVX-512 one has them; sampling.cpp takes its AVX-512
+    lanes there, and 8-lane halves with the same bits elsewhere, as on Zen 3)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and cpu_has_avx2_fma() and available()

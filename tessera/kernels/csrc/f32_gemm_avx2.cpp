@@ -182,7 +182,7 @@ void gemm(const float* x, const float* wt, const float* bias, float* out, int64_
       // (profiler, us): qkv 78-80 -> 73-75, o 49-50 -> 46, down 124-126 -> 115-116. Not above 6
       // rows: at 32, down's whole panel (k = 1536, 393 KB) and x outgrew the L2 (441 -> 461 us).
       if (halves == 2 && m <= 6 && h == 0 && item + 1 < end) {
-        ve = 8, h = 1, ++item;
+        ve = 8, h = 1, ++item;  // h = 1: the item ends its panel, so the look-ahead is the next one
       }
       if (cols <= 8 * vb) continue;
       const float* w = wt + p * k * kPanel;
