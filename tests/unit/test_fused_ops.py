@@ -36,10 +36,11 @@ def hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_add_rms_norm_matches_hf_and_adds_in_the_model_dtype(dtype):
+@pytest.mark.parametrize("width", [576, 100])  # 100: a row's tail of 4 lanes (masked loads and stores)
+def test_add_rms_norm_matches_hf_and_adds_in_the_model_dtype(dtype, width):
     torch.manual_seed(0)
-    x, r = torch.randn(37, 576).to(dtype), torch.randn(37, 576).to(dtype)
-    w = (1 + 0.1 * torch.randn(576)).to(dtype)
+    x, r = torch.randn(37, width).to(dtype), torch.randn(37, width).to(dtype)
+    w = (1 + 0.1 * torch.randn(width)).to(dtype)
     normed, summed = kernels.ops().add_rms_norm(x, r, w, 1e-5)
     assert torch.equal(summed, x + r)  # one rounding of the fp32 sum, as torch's bf16 add
     ulps = 1 if dtype == torch.bfloat16 else 4  # fp32: three roundings against float64
@@ -78,12 +79,13 @@ def test_rotary_matches_hf_on_a_strided_view_of_qkv(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t", [5, 40])  # a decode's few rows; a prefill's rows split over the threads
-def test_rotary_kv_rotates_q_and_k_and_writes_the_caches(dtype, t):
+@pytest.mark.parametrize("d", [64, 40])  # 40: half a head is 20, a tail of 4 lanes
+def test_rotary_kv_rotates_q_and_k_and_writes_the_caches(dtype, t, d):
     """rotary_kv (the native stack's rotary + cache write in one pass) against HF's rotation in
     float64 and index_copy_ into the caches, and bit for bit against rotary then write_kv; a slot
     past the cache is refused before anything is written."""
     gen = torch.Generator().manual_seed(4)
-    heads, kv, d = 6, 2, 64
+    heads, kv = 6, 2
     rope = RotaryEmbedding(d, 10000.0, None, 256)
     qkv = torch.randn(t, (heads + 2 * kv) * d + 8, generator=gen).to(dtype)[:, 8:]  # a strided view
     positions = torch.randint(0, 256, (t,), generator=gen)
@@ -123,10 +125,11 @@ def test_rotary_kv_rotates_q_and_k_and_writes_the_caches(dtype, t):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_matches_silu_then_product(dtype):
+@pytest.mark.parametrize("inter", [1536, 60])  # 60: a tail of 4 lanes
+def test_silu_mul_matches_silu_then_product(dtype, inter):
     torch.manual_seed(2)
-    gate_up = (3 * torch.randn(9, 2 * 1536)).to(dtype)
-    gate, up = gate_up.split(1536, -1)
+    gate_up = (3 * torch.randn(9, 2 * inter)).to(dtype)
+    gate, up = gate_up.split(inter, -1)
     out = kernels.ops().silu_mul(gate_up)
     g = gate.double()
     act = (g / (1 + torch.exp(-g))).to(dtype)  # torch rounds silu's result, then the product

@@ -23,13 +23,14 @@ inline VF vload(VM m, const float* p) {  // 0 outside m; masked-off lanes are ne
   if (m == 0xFFFF) return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
   return {_mm256_maskload_ps(p, lanes_of(m & 0xFF)), _mm256_maskload_ps(p + 8, lanes_of(m >> 8))};
 }
-inline void vstore(float* p, VM m, VF x) {
-  _mm256_maskstore_ps(p, lanes_of(m & 0xFF), x.lo);
-  _mm256_maskstore_ps(p + 8, lanes_of(m >> 8), x.hi);
-}
 inline void vstore16(float* p, VF x) {
   _mm256_storeu_ps(p, x.lo);
   _mm256_storeu_ps(p + 8, x.hi);
+}
+inline void vstore(float* p, VM m, VF x) {  // a whole vector plainly: VMASKMOVPS stores are microcoded on Zen
+  if (m == 0xFFFF) return vstore16(p, x);
+  _mm256_maskstore_ps(p, lanes_of(m & 0xFF), x.lo);
+  _mm256_maskstore_ps(p + 8, lanes_of(m >> 8), x.hi);
 }
 inline VF vadd(VF a, VF b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 inline VF vsub(VF a, VF b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
