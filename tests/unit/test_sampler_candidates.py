@@ -93,6 +93,25 @@ def test_head_topk_takes_everything_above_its_bound(vocab):
             assert set(torch.nonzero(x[r] > bound[r]).flatten().tolist()) <= set(taken.tolist())
 
 
+def test_head_topk_on_rows_whose_maxima_are_signed_zeros():
+    """Chunks whose maximum is +0 or -0 (the native op's exact lane-order path) keep the contract."""
+    gen = torch.Generator().manual_seed(11)
+    x = -torch.rand(3, 4096, generator=gen)
+    x[0, ::3] = 0.0
+    x[1, 5::7] = -0.0
+    x[2, ::2] = 0.0
+    x[2, 1::2] = -0.0
+    for width in (1, 17, 66):
+        values, ids, bound = head_topk(x, width)
+        for r in range(3):
+            taken = ids[r][torch.isfinite(values[r])]
+            assert len(set(taken.tolist())) == taken.numel() >= width
+            left_out = torch.ones(4096, dtype=torch.bool)
+            left_out[taken] = False
+            assert bool((x[r, left_out] <= bound[r]).all())
+            assert set(torch.nonzero(x[r] > bound[r]).flatten().tolist()) <= set(taken.tolist())
+
+
 @pytest.mark.parametrize("vocab", [10, 600, 49152, 49153])
 def test_first_argmax_is_torch_argmax(vocab):
     for seed in range(3):
