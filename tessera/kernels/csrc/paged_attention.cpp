@@ -577,9 +577,71 @@ inline __m256 score8_direct(const float* q, const C* const* k, TilePrefetch& pf)
   return _mm256_permutevar8x32_ps(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
+// Keys 4g .. 4g + 3 of the 8 at k, for NR rows side by side: each key vector loaded once for the
+// NR rows (12 accumulators at NR = 3), the chains those of score8_direct; returned per row as
+// score8_direct's s0 (g = 0) or s1 (g = 1), the lane sums (0 + 4) + (2 + 6) and (1 + 5) + (3 + 7)
+// of keys [4g, 4g + 2 | 4g + 1, 4g + 3].
+template <typename C, int D, int NR>
+inline void score4_rows(const float* const* q, const C* const* k, __m256* s, TilePrefetch& pf, bool steps_every_i) {
+  __m256 a[NR][4];
+  __m256 qv[NR];
+  for (int r = 0; r < NR; ++r) qv[r] = _mm256_loadu_ps(q[r]);
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {
+    const __m256 kv = key8(k[j]);
+    for (int r = 0; r < NR; ++r) a[r][j] = _mm256_mul_ps(qv[r], kv);
+  }
+#pragma GCC unroll 4
+  for (int i = 8; i < D; i += 8) {
+    if (steps_every_i || (i & 8)) pf.step();
+    for (int r = 0; r < NR; ++r) {
+      qv[r] = _mm256_loadu_ps(q[r] + i);
+      asm("" : "+x"(qv[r]));  // and each row's q once for the four keys
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      __m256 kv = key8(k[j] + i);
+      asm("" : "+x"(kv));  // in a register: one load of the key for the NR rows (GCC folded it into each FMA)
+      for (int r = 0; r < NR; ++r) a[r][j] = _mm256_fmadd_ps(qv[r], kv, a[r][j]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    const __m256 t0 = _mm256_add_ps(_mm256_permute2f128_ps(a[r][0], a[r][1], 0x20),
+                                    _mm256_permute2f128_ps(a[r][0], a[r][1], 0x31));
+    const __m256 t1 = _mm256_add_ps(_mm256_permute2f128_ps(a[r][2], a[r][3], 0x20),
+                                    _mm256_permute2f128_ps(a[r][2], a[r][3], 0x31));
+    s[r] = _mm256_add_ps(_mm256_shuffle_ps(t0, t1, 0x44), _mm256_shuffle_ps(t0, t1, 0xEE));
+  }
+}
+
 template <typename C, int D, int NR>
 inline void score_rows_direct(const float* const* q, const C* const* k, Scores16* out, TilePrefetch& pf) {
-  for (int r = 0; r < NR; ++r) out[r] = {score8_direct<C, D>(q[r], k, pf), score8_direct<C, D>(q[r], k + 8, pf)};
+  if constexpr (NR == 1) {
+    out[0] = {score8_direct<C, D>(q[0], k, pf), score8_direct<C, D>(q[0], k + 8, pf)};
+  } else {
+    // The rows side by side, four keys at a time (score8_direct one row and eight keys at a time
+    // loaded every key vector once a row): the same chains, sums and order, so the same bits.
+    for (int half = 0; half < 2; ++half) {
+      __m256 s0[NR], s1[NR];
+      score4_rows<C, D, NR>(q, k + 8 * half, s0, pf, false);
+      score4_rows<C, D, NR>(q, k + 8 * half + 4, s1, pf, NR > 2);
+      for (int r = 0; r < NR; ++r) {
+        const __m256 h = _mm256_hadd_ps(s0[r], s1[r]);
+        const __m256 v = _mm256_permutevar8x32_ps(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        if (half == 0) out[r].lo = v; else out[r].hi = v;
+      }
+    }
+  }
+}
+#endif
+
+#if defined(TESSERA_AVX2_HALVES)
+// pv_rows' vectors a pass on AVX2: the most, up to 12 accumulators for the NR rows, that divide
+// the head's kVecs vectors.
+constexpr int pv_pass_vectors(int vecs, int nr) {
+  int u = std::min(vecs, 12 / nr);
+  while (vecs % u != 0) --u;
+  return u;
 }
 #endif
 
@@ -594,40 +656,52 @@ inline void pv_rows(float* const* acc, const float* const* p, const float* corr,
   static_assert(kVec % kGroup == 0, "pv_rows: passes must cover head_dim exactly");
   static_assert(!kPairedBf16<C, D> || kGroup % 2 == 0, "pv_rows: paired bf16 passes take whole pairs");
 #if defined(TESSERA_AVX2_HALVES)
-  // Row by row, up to 64 output lanes (8 registers) a pass; the same FMAs per lane.
-  constexpr int kHalves = (D / 8) % 8 == 0 ? 8 : ((D / 8) % 4 == 0 ? 4 : 2);
-  for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < D; c += 8 * kHalves) {
-      __m256 a[kHalves];
-      for (int u = 0; u < kHalves; ++u) {
-        a[u] = _mm256_loadu_ps(acc[r] + c + 8 * u);
-        if (corr[r] != 1.f) a[u] = _mm256_mul_ps(a[u], _mm256_set1_ps(corr[r]));
+  // The rows side by side, kU vectors of 8 lanes of each a pass (NR x kU <= 12 accumulators): a
+  // key's V vector, loaded and converted once, feeds NR independent FMA chains. Row by row (8
+  // accumulators of one row a pass) each key waited on the FMA latency, 4 cycles. Every lane's
+  // FMAs and their order are unchanged. The prefetcher gets the same steps a key as row by row
+  // took (NR a key at head_dim 64), spread over the passes.
+  constexpr int kVecs = D / 8;
+  constexpr int kU = pv_pass_vectors(kVecs, NR);
+  constexpr int kPasses = kVecs / kU;
+  constexpr int kOldPass = kVecs % 8 == 0 ? 8 : (kVecs % 4 == 0 ? 4 : 2);
+  constexpr int kSteps = NR * (kVecs / kOldPass);  // prefetch steps a key
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int w0 = pass * kU;
+    const int steps = kSteps / kPasses + (pass < kSteps % kPasses ? 1 : 0);
+    __m256 a[NR][kU];
+    for (int r = 0; r < NR; ++r)
+      for (int u = 0; u < kU; ++u) {
+        a[r][u] = _mm256_loadu_ps(acc[r] + 8 * (w0 + u));
+        if (corr[r] != 1.f) a[r][u] = _mm256_mul_ps(a[r][u], _mm256_set1_ps(corr[r]));
       }
-      for (int j = j0; j < j1; ++j) {
-        pf.step();
-        const __m256 pj = _mm256_set1_ps(p[r][j]);
-        const C* vrow = vc + off[j] + c;
-        for (int u = 0; u < kHalves; ++u) {
-          __m256 v;
-          if constexpr (kPairedBf16<C, D>) {
-            // accumulator lanes c + 8u: per 32 d the 16 even d (words' low halves), then the 16
-            // odd d (high halves); word w of the 32 d chunk holds d = 2w, 2w + 1
-            const int lane = c + 8 * u, chunk = lane / 32 * 32, part = lane % 32;
-            const __m256i w = _mm256_loadu_si256(
-                reinterpret_cast<const __m256i*>(vc + off[j] + chunk + 2 * (part % 16)));
-            v = part < 16 ? _mm256_castsi256_ps(_mm256_slli_epi32(w, 16))
-                          : _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-          } else if constexpr (std::is_same_v<C, float>) {
-            v = _mm256_loadu_ps(vrow + 8 * u);
-          } else {
-            const v16f v16 = load_f32<C>(vrow + 8 * (u & ~1), scale[j]);
-            v = (u & 1) ? hi8(v16) : lo8(v16);
-          }
-          a[u] = _mm256_fmadd_ps(pj, v, a[u]);
+    for (int j = j0; j < j1; ++j) {
+      for (int t = 0; t < steps; ++t) pf.step();
+      __m256 pj[NR];
+      for (int r = 0; r < NR; ++r) pj[r] = _mm256_set1_ps(p[r][j]);
+      const C* vrow = vc + off[j];
+      for (int u = 0; u < kU; ++u) {
+        const int w = w0 + u, lane = 8 * w;  // the vector's first lane (accumulator order)
+        __m256 v;
+        if constexpr (kPairedBf16<C, D>) {
+          // accumulator lanes: per 32 d the 16 even d (words' low halves), then the 16 odd d
+          // (high halves); word m of the 32 d chunk holds d = 2m, 2m + 1
+          const int chunk = lane / 32 * 32, part = lane % 32;
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow + chunk + 2 * (part % 16)));
+          v = part < 16 ? _mm256_castsi256_ps(_mm256_slli_epi32(x, 16))
+                        : _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+        } else if constexpr (std::is_same_v<C, float>) {
+          v = _mm256_loadu_ps(vrow + lane);
+        } else {
+          const v16f v16 = load_f32<C>(vrow + 16 * (w / 2), scale[j]);
+          v = (w & 1) ? hi8(v16) : lo8(v16);
         }
+        for (int r = 0; r < NR; ++r) a[r][u] = _mm256_fmadd_ps(pj[r], v, a[r][u]);
       }
-      for (int u = 0; u < kHalves; ++u) _mm256_storeu_ps(acc[r] + c + 8 * u, a[u]);
     }
+    for (int r = 0; r < NR; ++r)
+      for (int u = 0; u < kU; ++u) _mm256_storeu_ps(acc[r] + 8 * (w0 + u), a[r][u]);
+  }
 #else
   (void)pf;  // the AVX-512 path prefetches per KV head instead (attend_item)
   for (int c = 0; c < D; c += 16 * kGroup) {
