@@ -101,6 +101,10 @@ class InvariantCPUAttention(TorchCPUAttention):
         super().begin_step(metadata)
         self._kernel_plan = None
 
+    def reads_shared_prefix(self, head_dim: int) -> bool:
+        # The kernel reads a shared prefix in place; only the torch fallback takes the cascade.
+        return head_dim not in _HEAD_DIMS or not kernels.available()
+
     def kernel_plan(self, metadata: AttentionMetadata) -> _KernelPlan:
         """The kernel's tables for this step, built once and shared by every layer (and by the
         native decoder stack, tessera/model/native_stack.py)."""

@@ -148,6 +148,9 @@ class TorchCPUAttention(AttentionBackend):
     name = "torch"
     supports_quantized_kv = True
 
+    def reads_shared_prefix(self, head_dim: int) -> bool:
+        return True
+
     def __init__(self) -> None:
         self._plan: _StepPlan | None = None
         # Grow-only scratch buffers reused by every layer and step: a fresh multi-MB tensor per

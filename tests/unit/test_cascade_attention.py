@@ -112,3 +112,41 @@ def test_engine_with_cascade_decodes_matches_transformers(tiny_model_dir, monkey
     assert calls, "the shared-prefix decodes did not take the cascade path"
     for i, p in enumerate(prompts):
         assert results["first" if i == 0 else str(i)] == hf_greedy(hf, p, 10), i
+
+
+def test_the_runner_measures_the_shared_prefix_only_for_the_cascade_backend(tiny_model_dir, monkeypatch):
+    """The torch backend's cascade reads decode_shared_len; the invariant kernel does not, so its
+    runner leaves it at 0 and skips the measurement."""
+    from tessera import kernels
+    from tessera.engine import model_runner
+
+    if not kernels.available():
+        pytest.skip("the invariant backend needs the C++ kernels")
+    calls = []
+    real = model_runner.shared_prefix_len
+    monkeypatch.setattr(model_runner, "shared_prefix_len", lambda *a: calls.append(1) or real(*a))
+    rng = random.Random(3)
+    system = [rng.randrange(100) for _ in range(cascade.MIN_SHARED_TOKENS + 5)]
+    for backend, measured in (("invariant", False), ("torch", True)):
+        calls.clear()
+        engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", block_size=4,
+                                        kv_cache_memory=1 << 22, attention_backend=backend))
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        engine.add_request("0", system + [1], params)  # computes the system prompt; the others hit it
+        engine.step()
+        for i in range(1, 3):
+            engine.add_request(str(i), system + [i + 1], params)
+        seen: list = []
+
+        def recording(*a, real_prepare=engine.runner.prepare, seen=seen, **k):
+            step = real_prepare(*a, **k)
+            seen.append(step)
+            return step
+
+        engine.runner.prepare = recording
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert bool(calls) == measured, backend
+        shared = [s.metadata.decode_shared_len for s in seen if s.metadata.num_decode_tokens >= 2]
+        assert shared and (all(n > 0 for n in shared) if measured else all(n == 0 for n in shared)), backend
+
