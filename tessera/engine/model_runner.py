@@ -79,9 +79,9 @@ class ModelRunner:
         self._block_offsets = torch.arange(block_size, dtype=torch.long)
         # Only the cascade decode reads the shared-prefix length: ~0.1 ms of a 32-sequence step's
         # preparation saved for the others (a model without a backend or config keeps measuring it).
-        backend, config = getattr(model, "attn_backend", None), getattr(model, "config", None)
-        self._measure_shared_prefix = (backend is None or config is None
-                                       or backend.reads_shared_prefix(config.head_dim))
+        reads = getattr(getattr(model, "attn_backend", None), "reads_shared_prefix", None)
+        config = getattr(model, "config", None)
+        self._measure_shared_prefix = reads is None or config is None or reads(config.head_dim)
         self.device = self.kv_caches[0][0].device
         self.decode_graphs = None  # tessera.engine.cuda_graphs.DecodeGraphs, once captured
 

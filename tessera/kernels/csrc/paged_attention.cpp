@@ -664,8 +664,8 @@ inline void pv_rows(float* const* acc, const float* const* p, const float* corr,
   constexpr int kVecs = D / 8;
   constexpr int kU = pv_pass_vectors(kVecs, NR);
   constexpr int kPasses = kVecs / kU;
-  constexpr int kOldPass = kVecs % 8 == 0 ? 8 : (kVecs % 4 == 0 ? 4 : 2);
-  constexpr int kSteps = NR * (kVecs / kOldPass);  // prefetch steps a key
+  constexpr int kRowByRowPass = kVecs % 8 == 0 ? 8 : (kVecs % 4 == 0 ? 4 : 2);  // vectors, as it was
+  constexpr int kSteps = NR * (kVecs / kRowByRowPass);  // prefetch steps a key, as row by row took
   for (int pass = 0; pass < kPasses; ++pass) {
     const int w0 = pass * kU;
     const int steps = kSteps / kPasses + (pass < kSteps % kPasses ? 1 : 0);
