@@ -46,6 +46,7 @@ class AttentionBackend(ABC):
     name: str = "abstract"
     # Whether the backend attends over int8/fp8 KV codes with scales (--kv-cache-dtype).
     supports_quantized_kv: bool = False
+
     def reads_shared_prefix(self, head_dim: int) -> bool:
         """Whether forward reads `metadata.decode_shared_len` (the cascade decode) for a model of
         this head_dim. The model runner measures the decodes' shared prefix (a few tensor ops a

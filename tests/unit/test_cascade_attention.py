@@ -149,4 +149,3 @@ def test_the_runner_measures_the_shared_prefix_only_for_the_cascade_backend(tiny
         assert bool(calls) == measured, backend
         shared = [s.metadata.decode_shared_len for s in seen if s.metadata.num_decode_tokens >= 2]
         assert shared and (all(n > 0 for n in shared) if measured else all(n == 0 for n in shared)), backend
-

@@ -549,6 +549,20 @@ inline __m256 key8(const C* p) {
   }
 }
 
+// The chains' fixed tree, in two parts. Four keys' chain registers a[0..3] (lane l = chain l)
+// -> their sums (0 + 4) + (2 + 6) and (1 + 5) + (3 + 7) as [key 0, 0, 2, 2 | 1, 1, 3, 3]: first
+// lanes l + (l + 4) of two keys at once, t = [key 0's 4 sums | key 1's], then the pairs.
+__attribute__((always_inline)) inline __m256 four_key_sums(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 t0 = _mm256_add_ps(_mm256_permute2f128_ps(a0, a1, 0x20), _mm256_permute2f128_ps(a0, a1, 0x31));
+  const __m256 t1 = _mm256_add_ps(_mm256_permute2f128_ps(a2, a3, 0x20), _mm256_permute2f128_ps(a2, a3, 0x31));
+  return _mm256_add_ps(_mm256_shuffle_ps(t0, t1, 0x44), _mm256_shuffle_ps(t0, t1, 0xEE));
+}
+// Keys 0-3's and 4-7's four_key_sums -> the eight scores in key order (the two halves' sum gives
+// keys [0, 2, 4, 6 | 1, 3, 5, 7]).
+__attribute__((always_inline)) inline __m256 eight_scores(__m256 s0, __m256 s1) {
+  return _mm256_permutevar8x32_ps(_mm256_hadd_ps(s0, s1), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 // One row's scores of the 8 keys whose rows start at k[0..7] (head_dim D).
 template <typename C, int D>
 inline __m256 score8_direct(const float* q, const C* const* k, TilePrefetch& pf) {
@@ -563,24 +577,11 @@ inline __m256 score8_direct(const float* q, const C* const* k, TilePrefetch& pf)
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qi, key8(k[j] + i), a[j]);
   }
-  // Lanes l + (l + 4) of two keys at once: t[p] = [key 2p's 4 sums | key 2p + 1's].
-  __m256 t[4];
-#pragma GCC unroll 4
-  for (int p = 0; p < 4; ++p)
-    t[p] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x20),
-                         _mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x31));
-  // (0 + 4) + (2 + 6) and (1 + 5) + (3 + 7): keys [0, 0, 2, 2 | 1, 1, 3, 3] and [4, 4, 6, 6 | 5, 5, 7, 7]
-  const __m256 s0 = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], 0x44), _mm256_shuffle_ps(t[0], t[1], 0xEE));
-  const __m256 s1 = _mm256_add_ps(_mm256_shuffle_ps(t[2], t[3], 0x44), _mm256_shuffle_ps(t[2], t[3], 0xEE));
-  // the two halves' sum, keys [0, 2, 4, 6 | 1, 3, 5, 7], then in key order
-  const __m256 h = _mm256_hadd_ps(s0, s1);
-  return _mm256_permutevar8x32_ps(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  return eight_scores(four_key_sums(a[0], a[1], a[2], a[3]), four_key_sums(a[4], a[5], a[6], a[7]));
 }
 
-// Keys 4g .. 4g + 3 of the 8 at k, for NR rows side by side: each key vector loaded once for the
-// NR rows (12 accumulators at NR = 3), the chains those of score8_direct; returned per row as
-// score8_direct's s0 (g = 0) or s1 (g = 1), the lane sums (0 + 4) + (2 + 6) and (1 + 5) + (3 + 7)
-// of keys [4g, 4g + 2 | 4g + 1, 4g + 3].
+// Four keys (at k[0..3]) for NR rows side by side: each key vector loaded once for the NR rows
+// (12 accumulators at NR = 3), the chains those of score8_direct; each row's four_key_sums to s.
 template <typename C, int D, int NR>
 inline void score4_rows(const float* const* q, const C* const* k, __m256* s, TilePrefetch& pf, bool steps_every_i) {
   __m256 a[NR][4];
@@ -605,13 +606,7 @@ inline void score4_rows(const float* const* q, const C* const* k, __m256* s, Til
       for (int r = 0; r < NR; ++r) a[r][j] = _mm256_fmadd_ps(qv[r], kv, a[r][j]);
     }
   }
-  for (int r = 0; r < NR; ++r) {
-    const __m256 t0 = _mm256_add_ps(_mm256_permute2f128_ps(a[r][0], a[r][1], 0x20),
-                                    _mm256_permute2f128_ps(a[r][0], a[r][1], 0x31));
-    const __m256 t1 = _mm256_add_ps(_mm256_permute2f128_ps(a[r][2], a[r][3], 0x20),
-                                    _mm256_permute2f128_ps(a[r][2], a[r][3], 0x31));
-    s[r] = _mm256_add_ps(_mm256_shuffle_ps(t0, t1, 0x44), _mm256_shuffle_ps(t0, t1, 0xEE));
-  }
+  for (int r = 0; r < NR; ++r) s[r] = four_key_sums(a[r][0], a[r][1], a[r][2], a[r][3]);
 }
 
 template <typename C, int D, int NR>
@@ -625,11 +620,7 @@ inline void score_rows_direct(const float* const* q, const C* const* k, Scores16
       __m256 s0[NR], s1[NR];
       score4_rows<C, D, NR>(q, k + 8 * half, s0, pf, false);
       score4_rows<C, D, NR>(q, k + 8 * half + 4, s1, pf, NR > 2);
-      for (int r = 0; r < NR; ++r) {
-        const __m256 h = _mm256_hadd_ps(s0[r], s1[r]);
-        const __m256 v = _mm256_permutevar8x32_ps(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        if (half == 0) out[r].lo = v; else out[r].hi = v;
-      }
+      for (int r = 0; r < NR; ++r) (half == 0 ? out[r].lo : out[r].hi) = eight_scores(s0[r], s1[r]);
     }
   }
 }
