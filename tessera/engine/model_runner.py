@@ -30,8 +30,9 @@ def prepare_step_kernels(model: torch.nn.Module, config, dtype: torch.dtype, fil
     no AVX-512 (Zen 3: the register-tiled kernel beats MKL at every row count), elsewhere only
     with --deterministic (the fixed-order FMA kernel is slower than MKL's prefill GEMM there;
     docs/reproducibility.md has the measured cost). Returns how many weights
-    were swapped. `files` (the model's ModelFiles): a GGUF model in bf16 also keeps its blocks for
-    decode sizes (tessera/quant/gguf_codes.py)."""
+    were swapped. `files` (the model's ModelFiles): a GGUF model also keeps its blocks for decode
+    sizes, in bf16 on AMX (tessera/quant/gguf_codes.py), in float32 on the AVX2 tiles
+    (tessera/quant/gguf_f32_blocks.py)."""
     from tessera.kernels.linear import invariant_by_default, make_linears_invariant, supported
 
     if config.device != "cpu":
@@ -47,6 +48,10 @@ def prepare_step_kernels(model: torch.nn.Module, config, dtype: torch.dtype, fil
             from tessera.quant.gguf_codes import attach_gguf_codes
 
             attach_gguf_codes(model, files)
+        if dtype == torch.float32 and files is not None:
+            from tessera.quant.gguf_f32_blocks import attach_f32_blocks
+
+            attach_f32_blocks(model, files)
         if not config.enforce_eager and hasattr(model, "native_stack"):
             from tessera.model.native_stack import NativeStack
 

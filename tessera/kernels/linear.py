@@ -21,6 +21,7 @@ from torch import nn
 from tessera import kernels, memory
 from tessera.quant import invariant
 from tessera.quant.gguf_codes import CODES_MAX_ROWS
+from tessera.quant.gguf_f32_blocks import BLOCKS_MAX_ROWS
 
 logger = logging.getLogger("tessera")
 
@@ -120,6 +121,9 @@ class InvariantLinear(nn.Module):
         self.codes = None
         self.codes_kind = -1
         self.q8_codes: tuple[torch.Tensor, torch.Tensor] | None = None
+        # a float32 weight's GGUF Q4_0 / Q4_1 / Q8_0 blocks in panel order (gguf_f32_blocks.py)
+        self.f32_blocks: torch.Tensor | None = None
+        self.f32_blocks_format = -1
 
     def attach_codes(self, tiles, kind: int) -> None:
         """tiles: a gguf_tiles.KQTiles whose W, rounded to bf16, is this layer's weight; calls of
@@ -137,6 +141,17 @@ class InvariantLinear(nn.Module):
             raise ValueError("GGUF codes serve bf16 weights")
         self.q8_codes = (tiles, d)
 
+    def attach_f32_blocks(self, blocks: torch.Tensor, fmt: int) -> None:
+        """blocks: gguf_f32_blocks.pack_q4 / pack_q8 of the GGUF blocks this float32 weight was
+        dequantized from (fmt 0 Q4_0 / Q4_1, 1 Q8_0); calls of up to BLOCKS_MAX_ROWS rows then
+        read them (the same bits, a sixth of the bytes for Q4)."""
+        if self.dtype != torch.float32 or not _on_avx2_tiles():
+            raise ValueError("GGUF blocks for a float32 weight need the AVX2 tiles (CPUs without AVX-512)")
+        self.f32_blocks, self.f32_blocks_format = blocks, fmt
+
+    def _from_f32_blocks(self, x: torch.Tensor) -> bool:
+        return self.f32_blocks is not None and x.numel() <= BLOCKS_MAX_ROWS * x.shape[-1]
+
     def _from_codes(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
         return ((self.codes is not None or self.q8_codes is not None) and bias is None and x.dim() == 2
                 and x.shape[0] <= CODES_MAX_ROWS)
@@ -151,6 +166,9 @@ class InvariantLinear(nn.Module):
         ops = kernels.ops()
         if self.dtype == torch.bfloat16:
             return ops.linear_bf16(x, self.packed, bias, self.out_features, False, BF16_ARITHMETIC)
+        if self._from_f32_blocks(x):
+            return ops.linear_f32_blocks(x, self.f32_blocks, bias, self.out_features, self.f32_blocks_format,
+                                         1 if self.pairs else 0)
         if self.pairs:  # the plain [.., gate | up] output
             return ops.linear_f32_pairs(x, self.packed, bias, self.out_features, False)
         return ops.linear_f32(x, self.packed, bias, self.out_features)
@@ -158,6 +176,9 @@ class InvariantLinear(nn.Module):
     def forward_silu(self, x: torch.Tensor) -> torch.Tensor:
         """silu_mul(forward(x)) of a fused gate_up weight, bit for bit; in one pass where it is
         paired (the SiLU in the store), else the two calls."""
+        if self.pairs and self._from_f32_blocks(x):
+            return kernels.ops().linear_f32_blocks(x, self.f32_blocks, None, self.out_features,
+                                                   self.f32_blocks_format, 2)
         if self.pairs:
             return kernels.ops().linear_f32_pairs(x, self.packed, None, self.out_features, True)
         return kernels.ops().silu_mul(self.forward(x).contiguous())

@@ -105,6 +105,8 @@ def _linear_spec(w) -> tuple[int, int, list[torch.Tensor | None]]:
             return 4, w.codes_kind, [w.packed, w.codes.codes, w.codes.planes, w.codes.sup]
         if w.dtype == torch.bfloat16:
             return 0, 0, [w.packed]
+        if w.f32_blocks is not None:  # decode sizes from the GGUF blocks (tessera/quant/gguf_f32_blocks.py)
+            return 7, int(w.pairs) + 2 * (1 + w.f32_blocks_format), [w.packed, w.f32_blocks]
         return 1, (1 if w.pairs else 0), [w.packed]  # format 1: a gate_up in the paired layout
     if kind is Q4BlocksLinear and w.native_ok():  # float32 x only (the stack's dtype is checked)
         return 5, 0, [w.qs, w.d, w.m]

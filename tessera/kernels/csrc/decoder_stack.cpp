@@ -25,6 +25,9 @@
 //   5, 6 GGUF Q4_0/Q4_1 and Q8_0 blocks on int8 activations (AVX2 only, float32 x; tessera/quant/
 //     gguf_int8_activations.py): tessera_gemv::q4x8(x, qs, d, m) and q8x8(x, qs, d), their columns
 //     past n (padding rows) dropped and their bias added after them, as the modules do;
+//   7 fp32 InvariantLinear with its GGUF blocks (tessera/quant/gguf_f32_blocks.py): packed, then
+//     blocks; format = paired (1) + 2 x (1 + the blocks' format: 0 Q4_0 / Q4_1, 1 Q8_0). Calls of up to
+//     kF32BlocksMaxRows rows take linear_f32_blocks, the others kind 1: the same bits either way;
 // an optional qkv bias per layer, the KV cache pair per layer in `kv`, and the step's rotary
 // tables, slots and attention plan (the tensors tessera/attention/invariant_cpu.py's _kernel_plan
 // makes). dims = (heads, kv heads, head_dim, hidden, intermediate); windows = each layer's
@@ -42,6 +45,8 @@ using OptTensor = std::optional<at::Tensor>;
 
 // As gguf_codes.CODES_MAX_ROWS: the row counts kind 4 reads from the blocks.
 constexpr int64_t kCodesMaxRows = 32;
+// As gguf_f32_blocks.BLOCKS_MAX_ROWS: the row counts kind 7 reads from the blocks.
+constexpr int64_t kF32BlocksMaxRows = 8;
 
 template <typename Fn>
 c10::TypedOperatorHandle<Fn> op(const char* name) {
@@ -118,6 +123,8 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
       "tessera_inv::linear_bf16_silu");
   static const auto f32_pairs = op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t, bool)>(
       "tessera_inv::linear_f32_pairs");
+  static const auto f32_blocks = op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t, int64_t,
+                                               int64_t)>("tessera_inv::linear_f32_blocks");
 
   TORCH_CHECK(dims.size() == 5, "decoder_stack: dims = (heads, kv_heads, head_dim, hidden, intermediate)");
   const int64_t h = dims[0], hkv = dims[1], d = dims[2], hidden_size = dims[3], inter = dims[4];
@@ -138,9 +145,18 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
     return kind == 0 || (kind == 4 && (bias.has_value() || x.size(0) > kCodesMaxRows));
   };
   // Linear j (0 qkv, 1 o, 2 gate_up, 3 down) of layer l.
+  // Kind 7 as the float32 kind it is: (kind, format) of the call on x, its format (2 or more)
+  // where it reads the blocks, else only the paired bit.
+  auto f32_kind = [&](int64_t li, const at::Tensor& x) -> std::pair<int64_t, int64_t> {
+    const int64_t kind = lin_meta[2 * li], fmt = lin_meta[2 * li + 1];
+    if (kind != 7) return {kind, fmt};
+    return {1, x.size(0) <= kF32BlocksMaxRows ? fmt : fmt & 1};
+  };
   auto linear = [&](int64_t l, int64_t j, const at::Tensor& x, const OptTensor& bias, int64_t n) {
-    const int64_t li = 4 * l + j, kind = lin_meta[2 * li], fmt = lin_meta[2 * li + 1];
+    const int64_t li = 4 * l + j;
+    const auto [kind, fmt] = f32_kind(li, x);
     if (takes_bf16(li, x, bias)) return bf16_linear.call(x, *lin_tensors.get(4 * li), bias, n, false, -1);
+    if (kind == 1 && fmt >= 2) return f32_blocks.call(x, *lin_tensors.get(4 * li + 1), bias, n, (fmt >> 1) - 1, fmt & 1);
     if (kind == 1 && fmt == 1) return f32_pairs.call(x, *lin_tensors.get(4 * li), bias, n, false);
     if (kind == 1) return f32.call(x, *lin_tensors.get(4 * li), bias, n);
     if (kind == 4)
@@ -169,11 +185,14 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
     // gate_up and silu_mul in one call (the silu in the GEMM's store epilogue: the same bits, no
     // [T, 2 * inter] output) where the bf16 weight serves it, where a float32 one is packed in
     // pairs, and where quantized tiles or GGUF blocks do on bf16 x; other float32 linears in turn
-    const int64_t gi = 4 * l + 2, gkind = lin_meta[2 * gi];
+    const int64_t gi = 4 * l + 2;
+    const auto [gkind, gfmt] = f32_kind(gi, normed);
     at::Tensor act;
     if (takes_bf16(gi, normed, none))
       act = bf16_linear_silu.call(normed, *lin_tensors.get(4 * gi), 2 * inter, -1);
-    else if (gkind == 1 && lin_meta[2 * gi + 1] == 1)
+    else if (gkind == 1 && gfmt >= 2 && (gfmt & 1))
+      act = f32_blocks.call(normed, *lin_tensors.get(4 * gi + 1), none, 2 * inter, (gfmt >> 1) - 1, 2);
+    else if (gkind == 1 && gfmt == 1)
       act = f32_pairs.call(normed, *lin_tensors.get(4 * gi), none, 2 * inter, true);
     else if (bf16 && inter % 16 == 0 && gkind >= 2 && gkind <= 4)
       act = gated_quant_linear(normed, lin_tensors, 4 * gi, gkind, lin_meta[2 * gi + 1], 2 * inter);

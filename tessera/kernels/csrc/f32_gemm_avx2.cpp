@@ -39,53 +39,10 @@ struct Ahead {
 // plain [M, 2 x inter] output), kPairsSilu stores silu(gate) * up (silu_mul of that output).
 enum Store { kPlain, kPairsSplit, kPairsSilu };
 
-// Rows [0, R) x panel columns [8 v0, 8 (v0 + V)) of out: x rows at stride ldx, w the panel. For
-// pairs, out, bias and up_bias point at the tile's first pair's gate column (up_off: from a gate
-// column of out to its up column, kPairsSplit), and the tile is whole (V even, 64-column panels).
-template <int R, int V, Store S = kPlain>
-inline void tile(const float* x, int64_t ldx, const float* w, int64_t k, const float* bias, float* out,
-                 int64_t ldo, int cols, Ahead& ahead, const float* up_bias = nullptr, int64_t up_off = 0) {
-  __m256 acc[R][V];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
-  // (in locals: through the reference, the cursor was stored and reloaded at every k, a chain
-  // longer than the k step's FMAs)
-  const char* next = ahead.next;
-  const char* const end = ahead.end;
-  const int64_t every = ahead.every;
-  // Four k steps an iteration: the loop's own instructions (the counter, the row pointers, the
-  // branch) had been a third of a six-row step's 31 for its 12 FMAs, near the core's dispatch
-  // width. Zen 3, the default model's 121 linears, unrolled by 1 / 2 / 4 / 8 alternating in one
-  // process: 32 rows 54.5 / 53.4 / 52.1 / 53.1 ms, 256 rows 401 / 395 / 392 / 390, 512 rows 784 /
-  // 777 / 773 / 773. The same FMAs in the same order.
-#pragma GCC unroll 4
-  for (int64_t kk = 0; kk < k; ++kk) {
-    const float* wk = w + kk * kPanel;
-    // Every cache line of the tile's row 16 k ahead (V / 2 lines of 64 bytes): a one-row decode
-    // tile reads the whole panel row, 4 lines a k; prefetching only its first line left the
-    // other three to the hardware prefetcher (23.4-25.3 against 21.1-23.0 ms a token, default
-    // model at one row, Zen 3, session 32; 8 and 32 rows ahead were no better than 16).
-#pragma GCC unroll 4
-    for (int v = 0; v < V; v += 2) _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * kPanel + 8 * v), _MM_HINT_T0);
-    if constexpr (R > 1) {
-      if ((kk & every) == 0 && next < end) {
-        _mm_prefetch(next, _MM_HINT_T1);
-        next += 64;
-      }
-    }
-    __m256 wv[V];
-#pragma GCC unroll 8
-    for (int v = 0; v < V; ++v) wv[v] = _mm256_loadu_ps(wk + 8 * v);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m256 xb = _mm256_broadcast_ss(x + r * ldx + kk);
-#pragma GCC unroll 8
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(xb, wv[v], acc[r][v]);
-    }
-  }
-  ahead.next = next;
+// A tile's accumulators to out (+ bias; see Store).
+template <int R, int V, Store S>
+inline void store(__m256 (&acc)[R][V], const float* bias, float* out, int64_t ldo, int cols, const float* up_bias,
+                  int64_t up_off) {
   if constexpr (S != kPlain) {
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
@@ -126,10 +83,142 @@ inline void tile(const float* x, int64_t ldx, const float* w, int64_t k, const f
     for (int c = 0; c < valid; ++c) out[r * ldo + c] = res[r][c] + (bias ? bias[c] : 0.f);
 }
 
+// The weights a tile reads: float32 panels [np / 64, k, 64], or a GGUF file's own blocks of the
+// same W in panel order (tessera/quant/gguf_f32_blocks.py), 32 k of a panel's 64 columns a block:
+//   kQ4, 1280 bytes: d, m float16 [64], then codes [32 k][8 lanes] uint32, nibble v of lane l
+//        column 8 v + l's 4-bit q; W = d q + m (Q4_1; Q4_0 as m = -8 d);
+//   kQ8, 2176 bytes: d float16 [64], then codes int8 [32 k][64 columns]; W = d q.
+// A block's W is rebuilt in registers with the loader's arithmetic: gguf.quants' numpy computes
+// fl(fl(d q) + m) and d q, where d q is exact (11 + 4 or 8 significant bits), so fma(q, d, m) and
+// q * d give the float32 weight's bits, and the FMA chain over k is the float32 panel's: the same
+// output bits from 0.63 (Q4) or 1.06 (Q8) bytes a weight instead of 4.
+enum Format { kF32, kQ4, kQ8 };
+constexpr int64_t kBlock = 32;
+constexpr int64_t kQ4Bytes = 256 + kBlock * 32, kQ8Bytes = 128 + kBlock * 64;
+
+template <int F>
+constexpr int64_t panel_bytes(int64_t k) {
+  return F == kF32 ? k * kPanel * static_cast<int64_t>(sizeof(float)) : k / kBlock * (F == kQ4 ? kQ4Bytes : kQ8Bytes);
+}
+
+// acc[r][v] += x[r][kk] * W[kk][8 (v0 + v) ..] over one block of 32 k, kk from k0, W rebuilt from
+// the block's codes (see Format). The scales go through the stack once a block, as float32.
+//
+// A Q4 vector's codes are not shifted down: vector v takes its nibble in place, q 16^v (an AND,
+// then an exact conversion: at most 4 significant bits), against d 16^-v (exact: a power of two,
+// and d 2^-28 stays normal): the product is q d, exact, so the FMA with m rounds as the loader's
+// d q + m did. The top nibble (v = 7) would be negative as int32: it is shifted down instead. The
+// shifts had been half of the rebuild's vector operations. Top: the tile's last vector is v = 7
+// (a compile-time case: as a run-time test GCC branched at every vector).
+template <int R, int V, int F, bool Top>
+inline void block_sums(const float* x, int64_t ldx, int64_t k0, const uint8_t* blk, int v0, __m256 (&acc)[R][V]) {
+  const auto* scales = reinterpret_cast<const __m128i*>(blk) + v0;  // 8 float16 a vector
+  alignas(32) float d[V][8], m[V][8];
+  alignas(32) int32_t mask[V][8];
+#pragma GCC unroll 8
+  for (int v = 0; v < V; ++v) {
+    __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(scales + v));
+    if constexpr (F == kQ4) {
+      const int place = v0 + v;  // the vector's nibble in a code word
+      if (!(Top && v == V - 1)) {
+        dv = _mm256_mul_ps(dv, _mm256_set1_ps(1.0f / static_cast<float>(1 << (4 * place))));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(mask[v]), _mm256_set1_epi32(0xF << (4 * place)));
+      }
+      _mm256_store_ps(m[v], _mm256_cvtph_ps(_mm_loadu_si128(scales + 8 + v)));
+    }
+    _mm256_store_ps(d[v], dv);
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < kBlock; ++j) {
+    __m256i word;
+    if constexpr (F == kQ4) word = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256 + 32 * j));
+    // Each vector's weights are rebuilt and used at once (all V rebuilt first, then the FMAs, had
+    // GCC keep V weights and their scales live beside the accumulators: spills at every k).
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) {
+      __m256 w;
+      if constexpr (F == kQ4) {
+        const __m256i q = Top && v == V - 1 ? _mm256_srli_epi32(word, 28)
+                                      : _mm256_and_si256(word, _mm256_load_si256(reinterpret_cast<const __m256i*>(mask[v])));
+        w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_load_ps(d[v]), _mm256_load_ps(m[v]));
+      } else {
+        const auto* codes = reinterpret_cast<const __m128i*>(blk + 128 + 64 * j + 8 * (v0 + v));
+        w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(codes))), _mm256_load_ps(d[v]));
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) acc[r][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * ldx + k0 + j), w, acc[r][v]);
+    }
+  }
+}
+
+// Rows [0, R) x panel columns [8 v0, 8 (v0 + V)) of out: x rows at stride ldx, w the panel (its
+// first byte, of the format F). For pairs, out, bias and up_bias point at the tile's first pair's
+// gate column (up_off: from a gate column of out to its up column, kPairsSplit), and the tile is
+// whole (V even, 64-column panels).
+template <int R, int V, Store S, int F>
+inline void tile(const float* x, int64_t ldx, const void* panel, int v0, int64_t k, const float* bias, float* out,
+                 int64_t ldo, int cols, Ahead& ahead, const float* up_bias = nullptr, int64_t up_off = 0) {
+  __m256 acc[R][V];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
+  if constexpr (F != kF32) {
+    const auto* blk = static_cast<const uint8_t*>(panel);
+    for (int64_t k0 = 0; k0 < k; k0 += kBlock, blk += panel_bytes<F>(kBlock)) {
+      if (v0 + V == 8) {
+        block_sums<R, V, F, true>(x, ldx, k0, blk, v0, acc);
+      } else {
+        block_sums<R, V, F, false>(x, ldx, k0, blk, v0, acc);
+      }
+    }
+    store<R, V, S>(acc, bias, out, ldo, cols, up_bias, up_off);
+    return;
+  }
+  const float* w = static_cast<const float*>(panel) + 8 * v0;
+  // (in locals: through the reference, the cursor was stored and reloaded at every k, a chain
+  // longer than the k step's FMAs)
+  const char* next = ahead.next;
+  const char* const end = ahead.end;
+  const int64_t every = ahead.every;
+  // Four k steps an iteration: the loop's own instructions (the counter, the row pointers, the
+  // branch) had been a third of a six-row step's 31 for its 12 FMAs, near the core's dispatch
+  // width. Zen 3, the default model's 121 linears, unrolled by 1 / 2 / 4 / 8 alternating in one
+  // process: 32 rows 54.5 / 53.4 / 52.1 / 53.1 ms, 256 rows 401 / 395 / 392 / 390, 512 rows 784 /
+  // 777 / 773 / 773. The same FMAs in the same order.
+#pragma GCC unroll 4
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const float* wk = w + kk * kPanel;
+    // Every cache line of the tile's row 16 k ahead (V / 2 lines of 64 bytes): a one-row decode
+    // tile reads the whole panel row, 4 lines a k; prefetching only its first line left the
+    // other three to the hardware prefetcher (23.4-25.3 against 21.1-23.0 ms a token, default
+    // model at one row, Zen 3, session 32; 8 and 32 rows ahead were no better than 16).
+#pragma GCC unroll 4
+    for (int v = 0; v < V; v += 2) _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * kPanel + 8 * v), _MM_HINT_T0);
+    if constexpr (R > 1) {
+      if ((kk & every) == 0 && next < end) {
+        _mm_prefetch(next, _MM_HINT_T1);
+        next += 64;
+      }
+    }
+    __m256 wv[V];
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) wv[v] = _mm256_loadu_ps(wk + 8 * v);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(x + r * ldx + kk);
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(xb, wv[v], acc[r][v]);
+    }
+  }
+  ahead.next = next;
+  store<R, V, S>(acc, bias, out, ldo, cols, up_bias, up_off);
+}
+
 // R rows over vectors [vb, ve) of a panel (8 columns each), V vectors a tile, R x V <= 12
 // accumulators.
-template <int R, Store S = kPlain>
-inline void rows_over_panel(const float* x, int64_t ldx, const float* w, int64_t k, const float* bias, float* out,
+template <int R, Store S, int F>
+inline void rows_over_panel(const float* x, int64_t ldx, const void* w, int64_t k, const float* bias, float* out,
                             int64_t ldo, int cols, int vb, int ve, Ahead& ahead, const float* up_bias = nullptr,
                             int64_t up_off = 0) {
   // where vector v0's tile stores: column 8 v0 of the panel, or (pairs) its pair v0 / 2's gate column
@@ -141,15 +230,15 @@ inline void rows_over_panel(const float* x, int64_t ldx, const float* w, int64_t
     const int left = cols - 8 * v0;
     if constexpr (R == 1) {
       if (ve - v0 >= 8) {
-        tile<1, 8, S>(x, ldx, w + 8 * v0, k, b, o, ldo, left, ahead, ub, up_off);
+        tile<1, 8, S, F>(x, ldx, w, v0, k, b, o, ldo, left, ahead, ub, up_off);
         v0 += 8;
       } else {
-        tile<1, 4, S>(x, ldx, w + 8 * v0, k, b, o, ldo, left, ahead, ub, up_off);
+        tile<1, 4, S, F>(x, ldx, w, v0, k, b, o, ldo, left, ahead, ub, up_off);
         v0 += 4;
       }
     } else {
       constexpr int V = R == 2 ? 4 : 2;
-      tile<R, V, S>(x, ldx, w + 8 * v0, k, b, o, ldo, left, ahead, ub, up_off);
+      tile<R, V, S, F>(x, ldx, w, v0, k, b, o, ldo, left, ahead, ub, up_off);
       v0 += V;
     }
   }
@@ -165,8 +254,8 @@ namespace {
 // 48 above 48 rows (prefill chunks). Who computes an output never changes its arithmetic.
 // Pairs (S != kPlain): n = 2 x inter columns packed in pairs, n a multiple of 64 (whole panels); a
 // panel's 32 pairs are gate (and up) columns [32 p, 32 p + 32).
-template <Store S>
-void gemm(const float* x, const float* wt, const float* bias, float* out, int64_t m, int64_t n, int64_t np, int64_t k) {
+template <Store S, int F = kF32>
+void gemm(const float* x, const void* wt, const float* bias, float* out, int64_t m, int64_t n, int64_t np, int64_t k) {
   constexpr int64_t kRowGroup = 48;
   const int64_t ldo = S == kPairsSilu ? n / 2 : n;
   const int64_t panels = np / kPanel;
@@ -191,7 +280,7 @@ void gemm(const float* x, const float* wt, const float* bias, float* out, int64_
         ve = 8, h = 1, ++item;  // h = 1: the item ends its panel, so the look-ahead is the next one
       }
       if (cols <= 8 * vb) continue;
-      const float* w = wt + p * k * kPanel;
+      const char* w = static_cast<const char*>(wt) + p * panel_bytes<F>(k);
       const float* b = bias ? bias + out0 : nullptr;
       const float* ub = S != kPlain && bias ? bias + n / 2 + out0 : nullptr;
       const int64_t up_off = S == kPairsSplit ? n / 2 : 0;
@@ -205,9 +294,9 @@ void gemm(const float* x, const float* wt, const float* bias, float* out, int64_
       // hints, were no better.
       Ahead ahead;
       if (halves == 2 && h == 0 && g == 0) {
-        ahead.next = reinterpret_cast<const char*>(w);
+        ahead.next = w;
       } else if (h == halves - 1 && g == groups - 1 && p + 1 < panels) {
-        ahead.next = reinterpret_cast<const char*>(w + k * kPanel);
+        ahead.next = w + panel_bytes<F>(k);
       }
       // The lines go out spread over the item, not as fast as its k steps run: a line every
       // `every` k steps, about the item's tile sweeps over k (6-row tiles, 16 columns each) per
@@ -219,22 +308,29 @@ void gemm(const float* x, const float* wt, const float* bias, float* out, int64_
       const int64_t r_end = std::min(m, (g + 1) * group_rows);
       int64_t r0 = g * group_rows;
       if (ahead.next) {
-        ahead.end = ahead.next + k * kPanel * static_cast<int64_t>(sizeof(float));
+        ahead.end = ahead.next + panel_bytes<F>(k);
         const int64_t sweeps = (r_end - r0 + 5) / 6 * ((ve - vb) / 2);
         int64_t every = 1;
         while (every * 2 <= std::min<int64_t>(sweeps / 4, 8)) every *= 2;
         ahead.every = every - 1;
       }
+      // Blocks: 4-row tiles first (8 accumulators, each vector's rebuild shared by 4 rows). At 6
+      // rows the tile's scales and masks no longer fit beside its 12 accumulators: Zen 3, the
+      // default model's layers at 8 rows 24.2 ms in 6 + 2-row tiles, 18.9 in two 4-row tiles.
+      if constexpr (F != kF32) {
+        for (; r0 + 4 <= r_end; r0 += 4)
+          rows_over_panel<4, S, F>(x + r0 * k, k, w, k, b, out + r0 * ldo + out0, ldo, cols, vb, ve, ahead, ub, up_off);
+      }
       for (; r0 + 6 <= r_end; r0 += 6)
-        rows_over_panel<6, S>(x + r0 * k, k, w, k, b, out + r0 * ldo + out0, ldo, cols, vb, ve, ahead, ub, up_off);
+        rows_over_panel<6, S, F>(x + r0 * k, k, w, k, b, out + r0 * ldo + out0, ldo, cols, vb, ve, ahead, ub, up_off);
       const float* xr = x + r0 * k;
       float* o = out + r0 * ldo + out0;
       switch (r_end - r0) {
-        case 5: rows_over_panel<5, S>(xr, k, w, k, b, o, ldo, cols, vb, ve, ahead, ub, up_off); break;
-        case 4: rows_over_panel<4, S>(xr, k, w, k, b, o, ldo, cols, vb, ve, ahead, ub, up_off); break;
-        case 3: rows_over_panel<3, S>(xr, k, w, k, b, o, ldo, cols, vb, ve, ahead, ub, up_off); break;
-        case 2: rows_over_panel<2, S>(xr, k, w, k, b, o, ldo, cols, vb, ve, ahead, ub, up_off); break;
-        case 1: rows_over_panel<1, S>(xr, k, w, k, b, o, ldo, cols, vb, ve, ahead, ub, up_off); break;
+        case 5: rows_over_panel<5, S, F>(xr, k, w, k, b, o, ldo, cols, vb, ve, ahead, ub, up_off); break;
+        case 4: rows_over_panel<4, S, F>(xr, k, w, k, b, o, ldo, cols, vb, ve, ahead, ub, up_off); break;
+        case 3: rows_over_panel<3, S, F>(xr, k, w, k, b, o, ldo, cols, vb, ve, ahead, ub, up_off); break;
+        case 2: rows_over_panel<2, S, F>(xr, k, w, k, b, o, ldo, cols, vb, ve, ahead, ub, up_off); break;
+        case 1: rows_over_panel<1, S, F>(xr, k, w, k, b, o, ldo, cols, vb, ve, ahead, ub, up_off); break;
         default: break;
       }
     }
@@ -256,6 +352,19 @@ void f32_gemm_pairs(const float* x, const float* wt, const float* bias, float* o
     gemm<kPairsSilu>(x, wt, bias, out, m, n, n, k);
   } else {
     gemm<kPairsSplit>(x, wt, bias, out, m, n, n, k);
+  }
+}
+
+void f32_gemm_blocks(const float* x, const uint8_t* blocks, bool q8, const float* bias, float* out, int64_t m,
+                     int64_t n, int64_t np, int64_t k, int store) {
+  if (q8) {
+    if (store == 0) gemm<kPlain, kQ8>(x, blocks, bias, out, m, n, np, k);
+    if (store == 1) gemm<kPairsSplit, kQ8>(x, blocks, bias, out, m, n, np, k);
+    if (store == 2) gemm<kPairsSilu, kQ8>(x, blocks, bias, out, m, n, np, k);
+  } else {
+    if (store == 0) gemm<kPlain, kQ4>(x, blocks, bias, out, m, n, np, k);
+    if (store == 1) gemm<kPairsSplit, kQ4>(x, blocks, bias, out, m, n, np, k);
+    if (store == 2) gemm<kPairsSilu, kQ4>(x, blocks, bias, out, m, n, np, k);
   }
 }
 

@@ -542,15 +542,14 @@ void f32_gemm(const float* x, const float* wt, const float* bias, float* out, in
   });
 }
 
-// x's rows [M, K] (any leading shape) times a float32 panel weight into a new [.., n_out] output:
+// x's rows [M, K] (any leading shape) times a weight into a new float32 [.., n_out] output:
 // gemm(rows, m, k, bias or nullptr, out) fills it.
 template <typename Gemm>
-at::Tensor f32_linear_call(const char* name, const at::Tensor& x, const at::Tensor& wt,
-                           const c10::optional<at::Tensor>& bias, int64_t n_out, Gemm&& gemm) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && wt.scalar_type() == at::kFloat, name, ": float32 only");
+at::Tensor f32_rows_call(const char* name, const at::Tensor& x, const c10::optional<at::Tensor>& bias, int64_t n_out,
+                         Gemm&& gemm) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, name, ": float32 only");
   auto rows = x.reshape({-1, x.size(-1)}).contiguous();
   const int64_t m = rows.size(0), k = rows.size(1);
-  TORCH_CHECK(wt.dim() == 3 && wt.size(1) == k && wt.size(2) == 64, name, ": bad packed weight (panels [np / 64, k, 64])");
   auto out = at::empty({m, n_out}, x.options());
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) bias_f = bias->to(at::kFloat).contiguous();
@@ -558,6 +557,15 @@ at::Tensor f32_linear_call(const char* name, const at::Tensor& x, const at::Tens
   auto shape = x.sizes().vec();
   shape.back() = n_out;
   return out.view(shape);
+}
+
+// The same with wt a float32 panel weight [np / 64, k, 64].
+template <typename Gemm>
+at::Tensor f32_linear_call(const char* name, const at::Tensor& x, const at::Tensor& wt,
+                           const c10::optional<at::Tensor>& bias, int64_t n_out, Gemm&& gemm) {
+  TORCH_CHECK(wt.scalar_type() == at::kFloat && wt.dim() == 3 && wt.size(1) == x.size(-1) && wt.size(2) == 64, name,
+              ": bad packed weight (float32 panels [np / 64, k, 64])");
+  return f32_rows_call(name, x, bias, n_out, gemm);
 }
 
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& wt, const c10::optional<at::Tensor>& bias, int64_t n) {
@@ -584,12 +592,37 @@ at::Tensor linear_f32_pairs(const at::Tensor& x, const at::Tensor& wt, const c10
                          });
 }
 
+// x [.., k] times a GGUF file's blocks of W in panel order (uint8 [np / 64, k / 32, block bytes],
+// tessera/quant/gguf_f32_blocks.py), format 0 Q4_0 / Q4_1, 1 Q8_0; store 0 plain, 1 and 2 a
+// gate_up in pairs (as linear_f32_pairs with silu false and true). AVX2 tiles only: linear_f32's
+// (and linear_f32_pairs') bits on the float32 weight the loader made of those blocks.
+at::Tensor linear_f32_blocks(const at::Tensor& x, const at::Tensor& blocks, const c10::optional<at::Tensor>& bias,
+                             int64_t n, int64_t format, int64_t store) {
+  TORCH_CHECK(avx2_tiles(), "linear_f32_blocks: the AVX2 tiles' kernel (CPUs without AVX-512)");
+  TORCH_CHECK(format == 0 || format == 1, "linear_f32_blocks: format 0 (Q4_0 / Q4_1) or 1 (Q8_0)");
+  TORCH_CHECK(store >= 0 && store <= 2, "linear_f32_blocks: store 0, 1 or 2");
+  const int64_t bytes = format == 0 ? 256 + 32 * 32 : 128 + 32 * 64;
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 3 && blocks.size(2) == bytes &&
+                  blocks.is_contiguous() && blocks.size(0) * 64 >= n && (store == 0 || blocks.size(0) * 64 == n),
+              "linear_f32_blocks: blocks must be contiguous uint8 [np / 64, k / 32, ", bytes, "] covering ", n,
+              " columns");
+  const int64_t k = x.size(-1);
+  TORCH_CHECK(blocks.size(1) * 32 == k, "linear_f32_blocks: the blocks hold k = ", blocks.size(1) * 32,
+              ", x has ", k);
+  return f32_rows_call("linear_f32_blocks", x, bias, store == 2 ? n / 2 : n,
+                         [&](const float* rows, int64_t m, int64_t kk, const float* b, float* out) {
+                           tessera_avx2::f32_gemm_blocks(rows, blocks.data_ptr<uint8_t>(), format == 1, b, out, m, n,
+                                                         blocks.size(0) * 64, kk, static_cast<int>(store));
+                         });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tessera_inv, m) {
   m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias, int n, bool f32_out=False, int arithmetic=-1) -> Tensor");
   m.def("linear_f32(Tensor x, Tensor wt, Tensor? bias, int n) -> Tensor");
   m.def("linear_f32_pairs(Tensor x, Tensor wt, Tensor? bias, int n, bool silu) -> Tensor");
+  m.def("linear_f32_blocks(Tensor x, Tensor blocks, Tensor? bias, int n, int format, int store) -> Tensor");
   m.def("linear_bf16_argmax(Tensor x, Tensor packed, Tensor? bias, int n, int arithmetic=-1, bool logits=True) "
         "-> (Tensor, Tensor)");
   m.def("linear_bf16_silu(Tensor x, Tensor packed, int n, int arithmetic=-1) -> Tensor");
@@ -599,6 +632,7 @@ TORCH_LIBRARY_IMPL(tessera_inv, CPU, m) {
   m.impl("linear_bf16", &linear_bf16);
   m.impl("linear_f32", &linear_f32);
   m.impl("linear_f32_pairs", &linear_f32_pairs);
+  m.impl("linear_f32_blocks", &linear_f32_blocks);
   m.impl("linear_bf16_argmax", &linear_bf16_argmax);
   m.impl("linear_bf16_silu", &linear_bf16_silu);
 }

@@ -1,0 +1,163 @@
+"""A GGUF model in float32 decodes from the file's own Q4_0 / Q4_1 / Q8_0 blocks: the same bits from a sixth of the bytes.
+
+Loaded in float32, a GGUF model's linear weight is W, the file's dequantization by `gguf.quants`
+(numpy, float32): fl(fl(d q) + m) for Q4_1, d (q - 8) for Q4_0, d q for Q8_0, d and m float16.
+d q is exact in float32 (11 significant bits times 4 or 8), so an FMA q * d + m (Q4_0 as
+m = -8 d, exact) and a product q * d rebuild W bit for bit (one exception: a Q4_0 zero weight
+under a negative d is +0 here and -0 in numpy, a sign no output shows: an FMA chain's
+accumulator starts at +0 and never becomes -0, and acc + x * (+-0) is acc). The AVX2 register tiles
+(csrc/f32_gemm_avx2.cpp, `linear_f32_blocks`) do that in registers and feed the float32 kernel's
+own FMA chain over k in order: the same output bits as `linear_f32` on W, reading 0.63 (Q4) or
+1.06 (Q8) bytes a weight instead of 4. A decode step of the default model (Q4_1 layers, a Q8_0
+tied lm_head) reads ~96 MB instead of 538.
+
+Where: float32 InvariantLinear weights on the AVX2 tiles (CPUs without AVX-512: Zen 3), slots
+whose parts all have one of those types, calls of up to BLOCKS_MAX_ROWS rows (above, the tiles
+are compute-bound and the dequantization would be repeated per row tile, so the float32 panels
+serve prefill chunks and large batches: both stay in memory). `TESSERA_GGUF_CODES=0` turns it
+off, as for the bf16 engine's blocks (gguf_codes.py).
+
+Layout (panel order, as the float32 weight's 64-column panels, gate_up pairs included): uint8
+[np / 64, k / 32, block bytes]; a Q4 block is d, m float16 [64] and codes [32 k][8 lanes] as
+uint32 whose nibble v is column 8 v + lane's q; a Q8 block d float16 [64] and codes int8
+[32 k][64].
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from tessera import memory
+
+logger = logging.getLogger("tessera")
+
+# Row counts up to this take the blocks. Zen 3, the default model's linears, blocks against
+# float32 panels (benchmarks/linears.py): see docs/kernels.md, session 38.
+BLOCKS_MAX_ROWS = 8
+Q4_TYPES = (Q.Q4_0, Q.Q4_1)
+FORMAT = {Q.Q4_0: 0, Q.Q4_1: 0, Q.Q8_0: 1}  # linear_f32_blocks' format argument
+PANEL, BLOCK = 64, 32
+
+
+def enabled() -> bool:
+    """Whether a float32 engine here reads the blocks: the AVX2 tiles, not turned off."""
+    from tessera.kernels.linear import _on_avx2_tiles
+
+    return os.environ.get("TESSERA_GGUF_CODES", "1") != "0" and _on_avx2_tiles()
+
+
+def _panel_rows(t: torch.Tensor, pairs: bool) -> torch.Tensor:
+    """Per-row tensor [N, ...] in the float32 panels' column order, padded to whole panels with zeros."""
+    if pairs:  # kernels/linear.py's _pack: 8 gate rows, then the same 8 up rows, in turn
+        t = t.reshape(2, t.shape[0] // 16, 8, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+    pad = -t.shape[0] % PANEL
+    return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+
+
+def _scales(s: torch.Tensor, pairs: bool) -> torch.Tensor:
+    """float16 [N, k / 32] -> uint8 [np / 64, k / 32, 128]: a panel's 64 scales a block."""
+    s = _panel_rows(s.to(torch.float16), pairs)
+    return s.view(-1, PANEL, s.shape[1]).transpose(1, 2).contiguous().view(torch.uint8)
+
+
+def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+    """codes uint8 [N, K] in 0..15, d and m float16 [N, K / 32] (W = d q + m) -> uint8
+    [np / 64, K / 32, 1280]; pairs: a gate_up weight in the paired float32 layout."""
+    c = _panel_rows(codes, pairs)
+    p, kb = c.shape[0] // PANEL, c.shape[1] // BLOCK
+    # [panel, v, lane, block, j] -> [panel, block, j, lane, v]; nibble pairs (v = 2 b, 2 b + 1) to byte b
+    c = c.view(p, 8, 8, kb, BLOCK).permute(0, 3, 4, 2, 1).reshape(p, kb, BLOCK, 8, 4, 2)
+    nibbles = (c[..., 0] | (c[..., 1] << 4)).reshape(p, kb, BLOCK * 32)
+    return torch.cat([_scales(d, pairs), _scales(m, pairs), nibbles], dim=2).contiguous()
+
+
+def pack_q8(codes: torch.Tensor, d: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+    """codes int8 [N, K], d float16 [N, K / 32] (W = d q) -> uint8 [np / 64, K / 32, 2176]."""
+    c = _panel_rows(codes, pairs)
+    p, kb = c.shape[0] // PANEL, c.shape[1] // BLOCK
+    c = c.view(p, PANEL, kb, BLOCK).permute(0, 2, 3, 1).reshape(p, kb, BLOCK * PANEL).view(torch.uint8)
+    return torch.cat([_scales(d, pairs), c], dim=2).contiguous()
+
+
+def panel_weight(blocks: torch.Tensor, fmt: int, p: int) -> torch.Tensor:
+    """Panel p of the weight the blocks hold, float32 [k, 64], as the kernel rebuilds it (d q, then
+    + m): the float32 weight's panel where the blocks are its file's, bit for bit but for Q4_0's
+    zeros (below)."""
+    b = blocks[p]
+    d = b[:, :128].view(torch.float16).float()  # [k / 32, 64]
+    if fmt == FORMAT[Q.Q8_0]:
+        q = b[:, 128:].view(torch.int8).view(-1, BLOCK, PANEL).float()  # [k / 32, 32, 64]
+        return (q * d[:, None, :]).reshape(-1, PANEL)
+    m = b[:, 128:256].view(torch.float16).float()
+    words = b[:, 256:].reshape(-1, BLOCK, 8, 4).to(torch.int64)  # [k / 32, 32, lane, byte]
+    words = (words << torch.tensor([0, 8, 16, 24])).sum(-1)  # [k / 32, 32, lane]
+    q = (words[..., None, :] >> (4 * torch.arange(8))[:, None]) & 15  # [k / 32, 32, v, lane]
+    return (q.reshape(q.shape[0], BLOCK, PANEL).float() * d[:, None, :] + m[:, None, :]).reshape(-1, PANEL)
+
+
+def _slot_blocks(raw: torch.Tensor, qtype, rows: int, pairs: bool) -> torch.Tensor:
+    """A slot's block bytes uint8 [rows, bytes per row] (its parts in order) -> the kernel's blocks."""
+    from tessera.quant.gguf_int8_activations import decode_q4_blocks, file_codes
+    from tessera.quant.gguf_native import _blocks
+
+    if qtype == Q.Q8_0:
+        b = _blocks(raw.numpy(), Q.Q8_0, rows)
+        d = torch.from_numpy(b[..., 0:2].copy()).view(torch.float16)[..., 0]
+        codes = torch.from_numpy(b[..., 2:].copy()).view(torch.int8).reshape(rows, -1)
+        return pack_q8(codes, d, pairs)
+    qs, d, m = decode_q4_blocks(_blocks(raw.numpy(), qtype, rows), qtype)
+    return pack_q4(file_codes(qs), d, m, pairs)
+
+
+@torch.no_grad()
+def attach_f32_blocks(model, files) -> int:
+    """Give each float32 InvariantLinear whose GGUF parts are all one of Q4_0, Q4_1, Q8_0 its
+    blocks in panel order; returns how many. Not a GGUF file, or not enabled here: 0."""
+    from tessera.kernels.linear import InvariantLinear
+    from tessera.model.gguf_loader import GGUFModelFiles
+    from tessera.quant.gguf_native import raw_rows
+
+    if not isinstance(files, GGUFModelFiles) or not enabled():
+        return 0
+    found = []
+    for slot in model.linear_slots(quantize_lm_head=True):
+        w = getattr(slot.owner, slot.attr)
+        if type(w) is not InvariantLinear or w.dtype != torch.float32 or not slot.parts:
+            continue
+        tensors = [files.source_tensor(n) for n in slot.parts]
+        qtypes = {t.tensor_type for t in tensors}
+        if len(qtypes) != 1 or (qtype := qtypes.pop()) not in FORMAT:
+            continue
+        raw = []
+        for name, t in zip(slot.parts, tensors, strict=True):
+            rows = raw_rows(t)  # a row's blocks are its own, so the loader's row order applies to them
+            raw.append(transform(rows) if (transform := files.row_transform(name)) is not None else rows)
+        raw = torch.cat(raw)
+        if raw.shape[0] != w.out_features:
+            continue
+        try:
+            blocks = _slot_blocks(raw, qtype, raw.shape[0], w.pairs)
+        except ValueError as e:  # a Q4_0 scale that overflows float16 as m = -8 d
+            logger.debug("%s keeps its float32 weight: %s", slot.attr, e)
+            continue
+        # The loader's weight must be the blocks' (a family whose loader changes a weight after
+        # dequantizing it would not be): its first panel is checked bit for bit.
+        if not torch.equal(panel_weight(blocks, FORMAT[qtype], 0), w.packed[0]):
+            logger.warning("%s: the float32 weight is not its GGUF blocks' dequantization; it keeps its float32 "
+                           "weight for every call", ", ".join(slot.parts))
+            continue
+        found.append((w, blocks, FORMAT[qtype]))
+    # One huge-page buffer in call order, as the float32 weights' (tessera.memory.Arena): a decode
+    # streams it from layer to layer.
+    copies = iter(memory.copies_in_order([b for _, b, _ in found], huge=True))
+    for w, _, fmt in found:
+        w.attach_f32_blocks(next(copies), fmt)
+    if found:
+        nbytes = sum(b.numel() for _, b, _ in found)
+        logger.info("decode steps read %d float32 linear weights from the GGUF blocks (%.1f MiB; the float32 "
+                    "copies serve prefill chunks, same bits either way)", len(found), nbytes / 2**20)
+    return len(found)
