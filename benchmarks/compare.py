@@ -68,7 +68,8 @@ def engines(args) -> dict[str, Engine]:
     dt, q = args.dtype, args.gguf_type
     return {e.name: e for e in [
         Engine("tessera", me, "run_tessera.py", ("--quantization", "none", "--dtype", dt),
-               f"{dt} ({q} dequantized at load; decode steps read the {q} blocks on AMX CPUs, same bits), {dt} KV"),
+               f"{dt} ({q} dequantized at load; decode steps read the {q} blocks on AMX CPUs, and float32 steps of "
+               f"up to 8 rows on AVX2 ones, same bits), {dt} KV"),
         Engine("tessera-eager", me, "run_tessera.py", ("--quantization", "none", "--dtype", dt, "--enforce-eager"),
                f"{dt} as tessera, --enforce-eager (the module path, no native decoder stack)"),
         Engine("tessera-gguf", me, "run_tessera.py", ("--quantization", "gguf", "--dtype", dt),
@@ -167,19 +168,25 @@ def leading_agreement(results: dict[str, dict]) -> None:
 
 def add_floors(results: dict[str, dict], args, cfg) -> None:
     """Each engine's floors (compare_floors.py) on the machine figures measured in its run."""
-    from compare_floors import bf16_codes_saving, floors, gguf_weight_bytes
+    from compare_floors import bf16_codes_saving, f32_blocks_saving, floors, gguf_weight_bytes
     from roofline import count_step
 
     elem = 2 if args.dtype == "bfloat16" else 4
     q_bytes = gguf_weight_bytes(args.gguf)
-    # Tessera in bf16 decodes a GGUF model's layers from their blocks: its floor counts the bytes it reads.
+    # Tessera decodes a GGUF model's layers from their blocks (bf16 on AMX, float32 at batch 1 on
+    # AVX2): its floors count the bytes it reads.
+    float_bytes = count_step(cfg, 1, [(1, 1)], 1, elem, elem)["weight_bytes"]
     saving = bf16_codes_saving(args.gguf) if elem == 2 else 0
-    codes_bytes = count_step(cfg, 1, [(1, 1)], 1, elem, elem)["weight_bytes"] - saving if saving else None
+    codes_bytes = float_bytes - saving if saving else None
+    b1_saving = f32_blocks_saving(args.gguf) if elem == 4 else 0
+    b1_bytes = float_bytes - b1_saving if b1_saving else None
     for name, r in results.items():
         if r.get("ok") and "machine" in r:
             quantized = name in ("tessera-gguf", "llamacpp-gguf", "llama-bench")
-            own = q_bytes if quantized else codes_bytes if name.startswith("tessera") else None
-            r["floors"] = floors(cfg, r["machine"], args.input_len, args.output_len, args.num_requests, elem, own)
+            tessera = name.startswith("tessera") and not quantized
+            own = q_bytes if quantized else codes_bytes if tessera else None
+            r["floors"] = floors(cfg, r["machine"], args.input_len, args.output_len, args.num_requests, elem, own,
+                                 b1_bytes if tessera else None)
 
 
 def _x(measured: float | None, floor: float) -> str:

@@ -78,6 +78,24 @@ def bf16_codes_saving(path: str) -> int:
     return saving
 
 
+def f32_blocks_saving(path: str) -> int:
+    """Bytes a Tessera float32 decode step at batch 1 does not read on this machine because it
+    computes its linears from the GGUF file's Q4_0/Q4_1/Q8_0 blocks (tessera/quant/
+    gguf_f32_blocks.py: AVX2 CPUs without AVX-512, calls of up to BLOCKS_MAX_ROWS rows, unless
+    TESSERA_GGUF_CODES=0): per such tensor its float32 bytes less its file bytes, the lm_head's
+    (output.weight, or token_embd.weight when tied) included. 0 where it reads float32."""
+    from gguf import GGUFReader
+
+    from tessera.quant import gguf_f32_blocks
+
+    if not str(path).endswith(".gguf") or not gguf_f32_blocks.enabled():
+        return 0
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    lm_head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    return sum(int(t.n_elements) * 4 - int(t.n_bytes) for name, t in tensors.items()
+               if (name.startswith("blk.") or name == lm_head) and t.tensor_type in gguf_f32_blocks.FORMAT)
+
+
 def _step(cfg: ModelConfig, tokens: int, contexts: list[tuple[int, int]], logit_rows: int, elem: int,
           weight_bytes: int | None) -> dict:
     c = count_step(cfg, tokens, contexts, logit_rows, elem, elem)
@@ -92,11 +110,12 @@ def _floor(c: dict, m: dict) -> float:
 
 
 def floors(cfg: ModelConfig, m: dict, input_len: int, output_len: int, batch: int, elem: int = 2,
-           weight_bytes: int | None = None) -> dict:
+           weight_bytes: int | None = None, b1_weight_bytes: int | None = None) -> dict:
     """Seconds each of compare.py's figures cannot go below on machine `m` (see the docstring).
-    `elem`: bytes per weight and KV element of a float format; `weight_bytes`: a quantized file's."""
+    `elem`: bytes per weight and KV element of a float format; `weight_bytes`: a quantized file's;
+    `b1_weight_bytes`: what a batch-1 step reads where that differs (float32 Tessera's blocks)."""
     mid = input_len + output_len // 2
-    d1 = _step(cfg, 1, [(1, mid)], 1, elem, weight_bytes)
+    d1 = _step(cfg, 1, [(1, mid)], 1, elem, b1_weight_bytes or weight_bytes)
     db = _step(cfg, batch, [(1, mid)] * batch, batch, elem, weight_bytes)
     pre = _step(cfg, input_len, [(input_len, input_len)], 1, elem, weight_bytes)
     offline = batch * pre["flops"] / m["gemm_flops"]  # the prompts' matmuls, at the GEMM rate
