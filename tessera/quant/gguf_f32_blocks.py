@@ -1,8 +1,9 @@
-"""A GGUF model in float32 decodes from the file's own Q4_0 / Q4_1 / Q8_0 blocks: the same bits from a sixth of the bytes.
+"""A GGUF model in float32 decodes from the file's own Q4_0 / Q4_1 / Q5_0 / Q8_0 blocks: the same bits from a sixth to a quarter of the bytes.
 
 Loaded in float32, a GGUF model's linear weight is W, the file's dequantization by `gguf.quants`
-(numpy, float32): fl(fl(d q) + m) for Q4_1, d (q - 8) for Q4_0, d q for Q8_0, d and m float16.
-d q is exact in float32 (11 significant bits times 4 or 8), so an FMA q * d + m (Q4_0 as
+(numpy, float32): fl(fl(d q) + m) for Q4_1, d (q - 8) for Q4_0, d q for Q8_0, d (q - 16) for
+Q5_0 (taken as Q8_0 with the int8 codes q - 16), d and m float16.
+d q is exact in float32 (11 significant bits times 4, 5 or 8), so an FMA q * d + m (Q4_0 as
 m = -8 d, exact) and a product q * d rebuild W bit for bit (one exception: a Q4_0 zero weight
 under a negative d is +0 here and -0 in numpy, a sign no output shows: an FMA chain's
 accumulator starts at +0 and never becomes -0, and acc + x * (+-0) is acc). The AVX2 register tiles
@@ -12,10 +13,11 @@ own FMA chain over k in order: the same output bits as `linear_f32` on W, readin
 tied lm_head) reads ~96 MB instead of 538.
 
 Where: float32 InvariantLinear weights on the AVX2 tiles (CPUs without AVX-512: Zen 3), slots
-whose parts all have one of those types, calls of up to BLOCKS_MAX_ROWS rows (above, the tiles
-are compute-bound and the dequantization would be repeated per row tile, so the float32 panels
-serve prefill chunks and large batches: both stay in memory). `TESSERA_GGUF_CODES=0` turns it
-off, as for the bf16 engine's blocks (gguf_codes.py).
+whose parts all have one of those types (Q4_K, Q5_1, Q6_K and the others keep their float32
+weight), calls of up to BLOCKS_MAX_ROWS rows (above, the tiles are compute-bound and the
+dequantization would be repeated per row tile, so the float32 panels serve prefill chunks and
+large batches: both stay in memory). `TESSERA_GGUF_CODES=0` turns it off, as for the bf16
+engine's blocks (gguf_codes.py).
 
 Layout (panel order, as the float32 weight's 64-column panels, gate_up pairs included): uint8
 [np / 64, k / 32, block bytes]; a Q4 block is d, m float16 [64] and codes [32 k][8 lanes] as
@@ -28,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
@@ -39,7 +42,9 @@ logger = logging.getLogger("tessera")
 # float32 panels (benchmarks/linears.py): see docs/kernels.md, session 38.
 BLOCKS_MAX_ROWS = 8
 Q4_TYPES = (Q.Q4_0, Q.Q4_1)
-FORMAT = {Q.Q4_0: 0, Q.Q4_1: 0, Q.Q8_0: 1}  # linear_f32_blocks' format argument
+# linear_f32_blocks' format argument: 0 the Q4 kernel, 1 the Q8 one (Q5_0's W = d (q - 16) is
+# d times an int8 code, so it takes the Q8 layout: 1.06 bytes a weight against its file's 0.69)
+FORMAT = {Q.Q4_0: 0, Q.Q4_1: 0, Q.Q8_0: 1, Q.Q5_0: 1}
 PANEL, BLOCK = 64, 32
 
 
@@ -99,6 +104,19 @@ def panel_weight(blocks: torch.Tensor, fmt: int, p: int) -> torch.Tensor:
     return (q.reshape(q.shape[0], BLOCK, PANEL).float() * d[:, None, :] + m[:, None, :]).reshape(-1, PANEL)
 
 
+def _q5_0_codes(b: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q5_0 blocks uint8 [rows, K / 32, 22] (d, 4 bytes of high bits, 16 of low nibbles) -> (the
+    int8 codes q - 16 [rows, K], d float16 [rows, K / 32]): W = d (q - 16), as gguf.quants."""
+    rows = b.shape[0]
+    d = torch.from_numpy(np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].copy())
+    high = np.ascontiguousarray(b[..., 2:6]).view(np.uint32)  # bit j: weight j's fifth bit
+    high = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    qs = b[..., 6:]  # byte j: weight j low nibble, weight j + 16 high nibble
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+    codes = ((low | (high << 4)).astype(np.int16) - 16).astype(np.int8)
+    return torch.from_numpy(codes.reshape(rows, -1)), d
+
+
 def _slot_blocks(raw: torch.Tensor, qtype, rows: int, pairs: bool) -> torch.Tensor:
     """A slot's block bytes uint8 [rows, bytes per row] (its parts in order) -> the kernel's blocks."""
     from tessera.quant.gguf_int8_activations import decode_q4_blocks, file_codes
@@ -109,6 +127,8 @@ def _slot_blocks(raw: torch.Tensor, qtype, rows: int, pairs: bool) -> torch.Tens
         d = torch.from_numpy(b[..., 0:2].copy()).view(torch.float16)[..., 0]
         codes = torch.from_numpy(b[..., 2:].copy()).view(torch.int8).reshape(rows, -1)
         return pack_q8(codes, d, pairs)
+    if qtype == Q.Q5_0:
+        return pack_q8(*_q5_0_codes(raw.numpy().reshape(rows, -1, 22)), pairs)
     qs, d, m = decode_q4_blocks(_blocks(raw.numpy(), qtype, rows), qtype)
     return pack_q4(file_codes(qs), d, m, pairs)
 

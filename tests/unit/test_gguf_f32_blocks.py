@@ -25,7 +25,7 @@ from tests.unit.test_gguf_kquant import random_blocks
 
 needs_avx2_tiles = pytest.mark.skipif(not (kernels.available() and _on_avx2_tiles()),
                                       reason="the float32 blocks kernel is the AVX2 tiles' (no AVX-512)")
-TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
+TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0)
 
 
 def _extreme_scales(raw: np.ndarray, qtype: Q) -> np.ndarray:
