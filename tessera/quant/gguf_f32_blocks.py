@@ -1,8 +1,10 @@
-"""A GGUF model in float32 decodes from the file's own Q4_0 / Q4_1 / Q5_0 / Q8_0 blocks: the same bits from a sixth to a quarter of the bytes.
+"""A GGUF model in float32 decodes from the file's own Q4_0 / Q4_1 / Q4_K / Q5_0 / Q8_0 blocks: the same bits from a sixth to a quarter of the bytes.
 
 Loaded in float32, a GGUF model's linear weight is W, the file's dequantization by `gguf.quants`
 (numpy, float32): fl(fl(d q) + m) for Q4_1, d (q - 8) for Q4_0, d q for Q8_0, d (q - 16) for
-Q5_0 (taken as Q8_0 with the int8 codes q - 16), d and m float16.
+Q5_0 (taken as Q8_0 with the int8 codes q - 16), d and m float16; Q4_K's 32-weight sub-blocks
+are fl((d sc) q - dmin mn), d sc and dmin mn exact float32 products (a Q4 block with float32
+scales).
 d q is exact in float32 (11 significant bits times 4, 5 or 8), so an FMA q * d + m (Q4_0 as
 m = -8 d, exact) and a product q * d rebuild W bit for bit (one exception: a Q4_0 zero weight
 under a negative d is +0 here and -0 in numpy, a sign no output shows: an FMA chain's
@@ -13,7 +15,7 @@ own FMA chain over k in order: the same output bits as `linear_f32` on W, readin
 tied lm_head) reads ~96 MB instead of 538.
 
 Where: float32 InvariantLinear weights on the AVX2 tiles (CPUs without AVX-512: Zen 3), slots
-whose parts all have one of those types (Q4_K, Q5_1, Q6_K and the others keep their float32
+whose parts all have one of those types (Q5_1, Q5_K, Q6_K and the others keep their float32
 weight), calls of up to BLOCKS_MAX_ROWS rows (above, the tiles are compute-bound and the
 dequantization would be repeated per row tile, so the float32 panels serve prefill chunks and
 large batches: both stay in memory). `TESSERA_GGUF_CODES=0` turns it off, as for the bf16
@@ -21,8 +23,8 @@ engine's blocks (gguf_codes.py).
 
 Layout (panel order, as the float32 weight's 64-column panels, gate_up pairs included): uint8
 [np / 64, k / 32, block bytes]; a Q4 block is d, m float16 [64] and codes [32 k][8 lanes] as
-uint32 whose nibble v is column 8 v + lane's q; a Q8 block d float16 [64] and codes int8
-[32 k][64].
+uint32 whose nibble v is column 8 v + lane's q (1280 bytes; 1536 with float32 d and m); a Q8
+block d float16 [64] and codes int8 [32 k][64].
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ logger = logging.getLogger("tessera")
 BLOCKS_MAX_ROWS = 8
 Q4_TYPES = (Q.Q4_0, Q.Q4_1)
 # linear_f32_blocks' format argument: 0 the Q4 kernel, 1 the Q8 one (Q5_0's W = d (q - 16) is
-# d times an int8 code, so it takes the Q8 layout: 1.06 bytes a weight against its file's 0.69)
-FORMAT = {Q.Q4_0: 0, Q.Q4_1: 0, Q.Q8_0: 1, Q.Q5_0: 1}
+# d times an int8 code, so it takes the Q8 layout: 1.06 bytes a weight against its file's 0.69),
+# 2 the Q4 kernel with float32 scales (Q4_K's 32-weight sub-blocks: d sc and dmin mn are exact in
+# float32, not in float16)
+FORMAT = {Q.Q4_0: 0, Q.Q4_1: 0, Q.Q8_0: 1, Q.Q5_0: 1, Q.Q4_K: 2}
 PANEL, BLOCK = 64, 32
 
 
@@ -64,14 +68,16 @@ def _panel_rows(t: torch.Tensor, pairs: bool) -> torch.Tensor:
 
 
 def _scales(s: torch.Tensor, pairs: bool) -> torch.Tensor:
-    """float16 [N, k / 32] -> uint8 [np / 64, k / 32, 128]: a panel's 64 scales a block."""
-    s = _panel_rows(s.to(torch.float16), pairs)
+    """float16 or float32 [N, k / 32] -> uint8 [np / 64, k / 32, 128 or 256]: a panel's 64 scales a block."""
+    s = _panel_rows(s, pairs)
     return s.view(-1, PANEL, s.shape[1]).transpose(1, 2).contiguous().view(torch.uint8)
 
 
 def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, pairs: bool = False) -> torch.Tensor:
-    """codes uint8 [N, K] in 0..15, d and m float16 [N, K / 32] (W = d q + m) -> uint8
-    [np / 64, K / 32, 1280]; pairs: a gate_up weight in the paired float32 layout."""
+    """codes uint8 [N, K] in 0..15, d and m [N, K / 32] (W = d q + m), both float16 or both float32
+    -> uint8 [np / 64, K / 32, 1280 or 1536]; pairs: a gate_up weight in the paired float32 layout."""
+    if d.dtype != m.dtype or d.dtype not in (torch.float16, torch.float32):
+        raise ValueError("pack_q4: d and m both float16 or both float32")
     c = _panel_rows(codes, pairs)
     p, kb = c.shape[0] // PANEL, c.shape[1] // BLOCK
     # [panel, v, lane, block, j] -> [panel, block, j, lane, v]; nibble pairs (v = 2 b, 2 b + 1) to byte b
@@ -82,6 +88,7 @@ def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, pairs: bool =
 
 def pack_q8(codes: torch.Tensor, d: torch.Tensor, pairs: bool = False) -> torch.Tensor:
     """codes int8 [N, K], d float16 [N, K / 32] (W = d q) -> uint8 [np / 64, K / 32, 2176]."""
+    d = d.to(torch.float16)
     c = _panel_rows(codes, pairs)
     p, kb = c.shape[0] // PANEL, c.shape[1] // BLOCK
     c = c.view(p, PANEL, kb, BLOCK).permute(0, 2, 3, 1).reshape(p, kb, BLOCK * PANEL).view(torch.uint8)
@@ -93,12 +100,14 @@ def panel_weight(blocks: torch.Tensor, fmt: int, p: int) -> torch.Tensor:
     + m): the float32 weight's panel where the blocks are its file's, bit for bit but for Q4_0's
     zeros (below)."""
     b = blocks[p]
-    d = b[:, :128].view(torch.float16).float()  # [k / 32, 64]
     if fmt == FORMAT[Q.Q8_0]:
+        d = b[:, :128].view(torch.float16).float()  # [k / 32, 64]
         q = b[:, 128:].view(torch.int8).view(-1, BLOCK, PANEL).float()  # [k / 32, 32, 64]
         return (q * d[:, None, :]).reshape(-1, PANEL)
-    m = b[:, 128:256].view(torch.float16).float()
-    words = b[:, 256:].reshape(-1, BLOCK, 8, 4).to(torch.int64)  # [k / 32, 32, lane, byte]
+    at = 512 if fmt == FORMAT[Q.Q4_K] else 256  # where the codes start: d and m, 64 float32 or float16 each
+    scales = b[:, :at].view(torch.float32) if at == 512 else b[:, :at].view(torch.float16).float()
+    d, m = scales.chunk(2, dim=1)
+    words = b[:, at:].reshape(-1, BLOCK, 8, 4).to(torch.int64)  # [k / 32, 32, lane, byte]
     words = (words << torch.tensor([0, 8, 16, 24])).sum(-1)  # [k / 32, 32, lane]
     q = (words[..., None, :] >> (4 * torch.arange(8))[:, None]) & 15  # [k / 32, 32, v, lane]
     return (q.reshape(q.shape[0], BLOCK, PANEL).float() * d[:, None, :] + m[:, None, :]).reshape(-1, PANEL)
@@ -129,6 +138,13 @@ def _slot_blocks(raw: torch.Tensor, qtype, rows: int, pairs: bool) -> torch.Tens
         return pack_q8(codes, d, pairs)
     if qtype == Q.Q5_0:
         return pack_q8(*_q5_0_codes(raw.numpy().reshape(rows, -1, 22)), pairs)
+    if qtype == Q.Q4_K:  # 256-weight super-blocks of 8 sub-blocks: W = (d sc) q - dmin mn
+        from tessera.quant.gguf_kquant import _k_scales, _nibble_subblocks
+
+        b = raw.view(rows, -1, 144)
+        scale, offset = _k_scales(b)  # float32 [rows, K / 256, 8, 1], exact products of float16 and 6 bits
+        codes = _nibble_subblocks(b[..., 16:144]).reshape(rows, -1)
+        return pack_q4(codes, scale.reshape(rows, -1), -offset.reshape(rows, -1), pairs)
     qs, d, m = decode_q4_blocks(_blocks(raw.numpy(), qtype, rows), qtype)
     return pack_q4(file_codes(qs), d, m, pairs)
 

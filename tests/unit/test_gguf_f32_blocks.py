@@ -25,7 +25,13 @@ from tests.unit.test_gguf_kquant import random_blocks
 
 needs_avx2_tiles = pytest.mark.skipif(not (kernels.available() and _on_avx2_tiles()),
                                       reason="the float32 blocks kernel is the AVX2 tiles' (no AVX-512)")
-TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0)
+TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q4_K)
+
+
+def _k(qtype: Q, k: int) -> int:
+    """k rounded up to whole blocks of qtype (Q4_K's are 256 wide)."""
+    block = gguf.constants.GGML_QUANT_SIZES[qtype][0]
+    return -(-k // block) * block
 
 
 def _extreme_scales(raw: np.ndarray, qtype: Q) -> np.ndarray:
@@ -36,7 +42,7 @@ def _extreme_scales(raw: np.ndarray, qtype: Q) -> np.ndarray:
     edges = np.array([2**-24, -(2**-24), 6.0e-5, 4096.0, -0.0, -1.5, 0.0], dtype=np.float16).view(np.uint8)
     for b in range(blocks.shape[1]):
         blocks[0, b, 0:2] = edges.reshape(-1, 2)[b % 7]
-        if qtype == Q.Q4_1:
+        if qtype in (Q.Q4_1, Q.Q4_K):  # m, or Q4_K's dmin
             blocks[0, b, 2:4] = edges.reshape(-1, 2)[(b + 3) % 7]
     return raw
 
@@ -56,6 +62,7 @@ def _layers(qtype: Q, n: int, k: int, pairs: bool, seed: int) -> tuple[Invariant
 def test_blocks_give_the_float32_kernels_bits_at_every_row_count(qtype, n, k):
     """1 to 9 rows cover the one-row tile, the 4-row tiles and every remainder; n = 100 a panel's
     partial store. The float32 kernel is itself the float64 product to float32 precision."""
+    k = _k(qtype, k)
     plain, blocked, w = _layers(qtype, n, k, False, seed=21)
     gen = torch.Generator().manual_seed(22)
     bias = torch.randn(n, generator=gen)
@@ -72,10 +79,11 @@ def test_blocks_give_the_float32_kernels_bits_at_every_row_count(qtype, n, k):
 @pytest.mark.parametrize("qtype", TYPES)
 def test_blocks_of_a_paired_gate_up_give_its_bits(qtype):
     """A gate_up in the paired float32 layout: the plain output and the SiLU store."""
-    plain, blocked, _ = _layers(qtype, 256, 64, True, seed=23)
+    k = _k(qtype, 64)
+    plain, blocked, _ = _layers(qtype, 256, k, True, seed=23)
     gen = torch.Generator().manual_seed(24)
     for m in (1, 2, 4, 5, 8):
-        x = torch.randn(m, 64, generator=gen)
+        x = torch.randn(m, k, generator=gen)
         assert torch.equal(blocked(x), plain(x)), f"{m} rows"
         assert torch.equal(blocked.forward_silu(x), plain.forward_silu(x)), f"{m} rows, silu"
 
@@ -188,7 +196,7 @@ def test_panel_weight_is_the_loaders_weight(qtype, pairs):
     """panel_weight (what the engine checks each weight's first panel with) unpacks a panel into
     gguf.quants' dequantization of the same columns: bit for bit, but for Q4_0's zero weights
     under a negative d (+0 against numpy's -0, which no FMA chain's output shows)."""
-    raw = _extreme_scales(random_blocks(qtype, 128, 96, seed=28), qtype)
+    raw = _extreme_scales(random_blocks(qtype, 128, _k(qtype, 96), seed=28), qtype)
     w = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
     if pairs:  # the float32 panels' paired order (kernels/linear.py): 8 gate rows, then 8 up rows
         w = w.reshape(2, 8, 8, -1).transpose(0, 1).reshape(w.shape)

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "avx2_kernels.h"
 #include "silu_rows.h"
@@ -87,18 +88,20 @@ inline void store(__m256 (&acc)[R][V], const float* bias, float* out, int64_t ld
 // same W in panel order (tessera/quant/gguf_f32_blocks.py), 32 k of a panel's 64 columns a block:
 //   kQ4, 1280 bytes: d, m float16 [64], then codes [32 k][8 lanes] uint32, nibble v of lane l
 //        column 8 v + l's 4-bit q; W = d q + m (Q4_1; Q4_0 as m = -8 d);
-//   kQ8, 2176 bytes: d float16 [64], then codes int8 [32 k][64 columns]; W = d q.
+//   kQ8, 2176 bytes: d float16 [64], then codes int8 [32 k][64 columns]; W = d q;
+//   kQ4F, 1536 bytes: kQ4 with d and m float32 (Q4_K: d = d sc, m = -dmin mn, both exact).
 // A block's W is rebuilt in registers with the loader's arithmetic: gguf.quants' numpy computes
-// fl(fl(d q) + m) and d q, where d q is exact (11 + 4 or 8 significant bits), so fma(q, d, m) and
-// q * d give the float32 weight's bits, and the FMA chain over k is the float32 panel's: the same
-// output bits from 0.63 (Q4) or 1.06 (Q8) bytes a weight instead of 4.
-enum Format { kF32, kQ4, kQ8 };
+// fl(fl(d q) + m) and d q, where d q is exact (11 + 4 or 8 significant bits; Q4_K's d sc q 21),
+// so fma(q, d, m) and q * d give the float32 weight's bits, and the FMA chain over k is the float32
+// panel's: the same output bits from 0.63 (Q4), 0.75 (Q4F) or 1.06 (Q8) bytes a weight, not 4.
+enum Format { kF32, kQ4, kQ8, kQ4F };
 constexpr int64_t kBlock = 32;
-constexpr int64_t kQ4Bytes = 256 + kBlock * 32, kQ8Bytes = 128 + kBlock * 64;
+constexpr int64_t kQ4Bytes = 256 + kBlock * 32, kQ8Bytes = 128 + kBlock * 64, kQ4FBytes = 512 + kBlock * 32;
 
 template <int F>
 constexpr int64_t panel_bytes(int64_t k) {
-  return F == kF32 ? k * kPanel * static_cast<int64_t>(sizeof(float)) : k / kBlock * (F == kQ4 ? kQ4Bytes : kQ8Bytes);
+  if constexpr (F == kF32) return k * kPanel * static_cast<int64_t>(sizeof(float));
+  return k / kBlock * (F == kQ4 ? kQ4Bytes : F == kQ8 ? kQ8Bytes : kQ4FBytes);
 }
 
 // acc[r][v] += x[r][kk] * W[kk][8 (v0 + v) ..] over one block of 32 k, kk from k0, W rebuilt from
@@ -112,37 +115,43 @@ constexpr int64_t panel_bytes(int64_t k) {
 // (a compile-time case: as a run-time test GCC branched at every vector).
 template <int R, int V, int F, bool Top>
 inline void block_sums(const float* x, int64_t ldx, int64_t k0, const uint8_t* blk, int v0, __m256 (&acc)[R][V]) {
-  const auto* scales = reinterpret_cast<const __m128i*>(blk) + v0;  // 8 float16 a vector
+  constexpr bool kNibbles = F == kQ4 || F == kQ4F;
+  constexpr int64_t kScaleBytes = F == kQ4 ? 256 : F == kQ4F ? 512 : 128;
+  // vector v's d (and m: a row of 64 further on), as float32
+  auto scale = [&](int v, int row) {
+    if constexpr (F == kQ4F) return _mm256_loadu_ps(reinterpret_cast<const float*>(blk) + 64 * row + 8 * (v0 + v));
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk) + 8 * row + v0 + v));
+  };
   alignas(32) float d[V][8], m[V][8];
   alignas(32) int32_t mask[V][8];
 #pragma GCC unroll 8
   for (int v = 0; v < V; ++v) {
-    __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(scales + v));
-    if constexpr (F == kQ4) {
+    __m256 dv = scale(v, 0);
+    if constexpr (kNibbles) {
       const int place = v0 + v;  // the vector's nibble in a code word
       if (!(Top && v == V - 1)) {
         dv = _mm256_mul_ps(dv, _mm256_set1_ps(1.0f / static_cast<float>(1 << (4 * place))));
         _mm256_store_si256(reinterpret_cast<__m256i*>(mask[v]), _mm256_set1_epi32(0xF << (4 * place)));
       }
-      _mm256_store_ps(m[v], _mm256_cvtph_ps(_mm_loadu_si128(scales + 8 + v)));
+      _mm256_store_ps(m[v], scale(v, 1));
     }
     _mm256_store_ps(d[v], dv);
   }
 #pragma GCC unroll 4
   for (int j = 0; j < kBlock; ++j) {
     __m256i word;
-    if constexpr (F == kQ4) word = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256 + 32 * j));
+    if constexpr (kNibbles) word = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kScaleBytes + 32 * j));
     // Each vector's weights are rebuilt and used at once (all V rebuilt first, then the FMAs, had
     // GCC keep V weights and their scales live beside the accumulators: spills at every k).
 #pragma GCC unroll 8
     for (int v = 0; v < V; ++v) {
       __m256 w;
-      if constexpr (F == kQ4) {
+      if constexpr (kNibbles) {
         const __m256i q = Top && v == V - 1 ? _mm256_srli_epi32(word, 28)
                                       : _mm256_and_si256(word, _mm256_load_si256(reinterpret_cast<const __m256i*>(mask[v])));
         w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_load_ps(d[v]), _mm256_load_ps(m[v]));
       } else {
-        const auto* codes = reinterpret_cast<const __m128i*>(blk + 128 + 64 * j + 8 * (v0 + v));
+        const auto* codes = reinterpret_cast<const __m128i*>(blk + kScaleBytes + 64 * j + 8 * (v0 + v));
         w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(codes))), _mm256_load_ps(d[v]));
       }
 #pragma GCC unroll 16
@@ -355,17 +364,17 @@ void f32_gemm_pairs(const float* x, const float* wt, const float* bias, float* o
   }
 }
 
-void f32_gemm_blocks(const float* x, const uint8_t* blocks, bool q8, const float* bias, float* out, int64_t m,
+void f32_gemm_blocks(const float* x, const uint8_t* blocks, int format, const float* bias, float* out, int64_t m,
                      int64_t n, int64_t np, int64_t k, int store) {
-  if (q8) {
-    if (store == 0) gemm<kPlain, kQ8>(x, blocks, bias, out, m, n, np, k);
-    if (store == 1) gemm<kPairsSplit, kQ8>(x, blocks, bias, out, m, n, np, k);
-    if (store == 2) gemm<kPairsSilu, kQ8>(x, blocks, bias, out, m, n, np, k);
-  } else {
-    if (store == 0) gemm<kPlain, kQ4>(x, blocks, bias, out, m, n, np, k);
-    if (store == 1) gemm<kPairsSplit, kQ4>(x, blocks, bias, out, m, n, np, k);
-    if (store == 2) gemm<kPairsSilu, kQ4>(x, blocks, bias, out, m, n, np, k);
-  }
+  const auto run = [&](auto format_tag) {
+    constexpr int F = decltype(format_tag)::value;
+    if (store == 0) gemm<kPlain, F>(x, blocks, bias, out, m, n, np, k);
+    if (store == 1) gemm<kPairsSplit, F>(x, blocks, bias, out, m, n, np, k);
+    if (store == 2) gemm<kPairsSilu, F>(x, blocks, bias, out, m, n, np, k);
+  };
+  if (format == 0) run(std::integral_constant<int, kQ4>());
+  if (format == 1) run(std::integral_constant<int, kQ8>());
+  if (format == 2) run(std::integral_constant<int, kQ4F>());
 }
 
 }  // namespace tessera_avx2
