@@ -109,7 +109,7 @@ constexpr int64_t panel_bytes(int64_t k) {
 //
 // A Q4 vector's codes are not shifted down: vector v takes its nibble in place, q 16^v (an AND,
 // then an exact conversion: at most 4 significant bits), against d 16^-v (exact: a power of two,
-// and d 2^-28 stays normal): the product is q d, exact, so the FMA with m rounds as the loader's
+// and d 2^-24 stays normal): the product is q d, exact, so the FMA with m rounds as the loader's
 // d q + m did. The top nibble (v = 7) would be negative as int32: it is shifted down instead. The
 // shifts had been half of the rebuild's vector operations. Top: the tile's last vector is v = 7
 // (a compile-time case: as a run-time test GCC branched at every vector).
@@ -147,8 +147,9 @@ inline void block_sums(const float* x, int64_t ldx, int64_t k0, const uint8_t* b
     for (int v = 0; v < V; ++v) {
       __m256 w;
       if constexpr (kNibbles) {
-        const __m256i q = Top && v == V - 1 ? _mm256_srli_epi32(word, 28)
-                                      : _mm256_and_si256(word, _mm256_load_si256(reinterpret_cast<const __m256i*>(mask[v])));
+        const __m256i q = Top && v == V - 1
+                              ? _mm256_srli_epi32(word, 28)
+                              : _mm256_and_si256(word, _mm256_load_si256(reinterpret_cast<const __m256i*>(mask[v])));
         w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_load_ps(d[v]), _mm256_load_ps(m[v]));
       } else {
         const auto* codes = reinterpret_cast<const __m128i*>(blk + kScaleBytes + 64 * j + 8 * (v0 + v));
@@ -175,8 +176,8 @@ inline void tile(const float* x, int64_t ldx, const void* panel, int v0, int64_t
   if constexpr (F != kF32) {
     const auto* blk = static_cast<const uint8_t*>(panel);
     for (int64_t k0 = 0; k0 < k; k0 += kBlock, blk += panel_bytes<F>(kBlock)) {
-      if (v0 + V == 8) {
-        block_sums<R, V, F, true>(x, ldx, k0, blk, v0, acc);
+      if (F != kQ8 && v0 + V == 8) {  // (Top only matters to the nibbles)
+        block_sums<R, V, F, F != kQ8>(x, ldx, k0, blk, v0, acc);
       } else {
         block_sums<R, V, F, false>(x, ldx, k0, blk, v0, acc);
       }
