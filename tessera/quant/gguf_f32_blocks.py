@@ -1,10 +1,11 @@
-"""A GGUF model in float32 decodes from the file's own Q4_0 / Q4_1 / Q4_K / Q5_0 / Q8_0 blocks: the same bits from a sixth to a quarter of the bytes.
+"""A GGUF model in float32 decodes from the file's own Q4_0 / Q4_1 / Q4_K / Q5_0 / Q6_K / Q8_0 blocks: the same bits from a sixth to a third of the bytes.
 
 Loaded in float32, a GGUF model's linear weight is W, the file's dequantization by `gguf.quants`
 (numpy, float32): fl(fl(d q) + m) for Q4_1, d (q - 8) for Q4_0, d q for Q8_0, d (q - 16) for
 Q5_0 (taken as Q8_0 with the int8 codes q - 16), d and m float16; Q4_K's 32-weight sub-blocks
 are fl((d sc) q - dmin mn), d sc and dmin mn exact float32 products (a Q4 block with float32
-scales).
+scales); Q6_K's 16-weight sub-blocks fl((d sc) (q - 32)), d sc exact (a Q8 block of 16 k with
+float32 scales, 1.25 bytes a weight).
 d q is exact in float32 (11 significant bits times 4, 5 or 8), so an FMA q * d + m (Q4_0 as
 m = -8 d, exact) and a product q * d rebuild W bit for bit (one exception: a Q4_0 zero weight
 under a negative d is +0 here and -0 in numpy, a sign no output shows: an FMA chain's
@@ -15,8 +16,7 @@ own FMA chain over k in order: the same output bits as `linear_f32` on W, readin
 tied lm_head) reads ~96 MB instead of 538.
 
 Where: float32 InvariantLinear weights on the AVX2 tiles (CPUs without AVX-512: Zen 3), slots
-whose parts all have one of those types (Q5_1, Q5_K, Q6_K and the others keep their float32
-weight), calls of up to BLOCKS_MAX_ROWS rows (above, the tiles are compute-bound and the
+whose parts all have one of those types (Q5_1, Q5_K and the others keep their float32 weight), calls of up to BLOCKS_MAX_ROWS rows (above, the tiles are compute-bound and the
 dequantization would be repeated per row tile, so the float32 panels serve prefill chunks and
 large batches: both stay in memory). `TESSERA_GGUF_CODES=0` turns it off, as for the bf16
 engine's blocks (gguf_codes.py).
@@ -47,8 +47,9 @@ Q4_TYPES = (Q.Q4_0, Q.Q4_1)
 # linear_f32_blocks' format argument: 0 the Q4 kernel, 1 the Q8 one (Q5_0's W = d (q - 16) is
 # d times an int8 code, so it takes the Q8 layout: 1.06 bytes a weight against its file's 0.69),
 # 2 the Q4 kernel with float32 scales (Q4_K's 32-weight sub-blocks: d sc and dmin mn are exact in
-# float32, not in float16)
-FORMAT = {Q.Q4_0: 0, Q.Q4_1: 0, Q.Q8_0: 1, Q.Q5_0: 1, Q.Q4_K: 2}
+# float32, not in float16), 3 the Q8 kernel with float32 scales per 16 k (Q6_K: W = fl((d sc) q)
+# with d sc exact, one rounding as the kernel's product)
+FORMAT = {Q.Q4_0: 0, Q.Q4_1: 0, Q.Q8_0: 1, Q.Q5_0: 1, Q.Q4_K: 2, Q.Q6_K: 3}
 PANEL, BLOCK = 64, 32
 
 
@@ -68,7 +69,7 @@ def _panel_rows(t: torch.Tensor, pairs: bool) -> torch.Tensor:
 
 
 def _scales(s: torch.Tensor, pairs: bool) -> torch.Tensor:
-    """float16 or float32 [N, k / 32] -> uint8 [np / 64, k / 32, 128 or 256]: a panel's 64 scales a block."""
+    """float16 or float32 [N, blocks] -> uint8 [np / 64, blocks, 128 or 256]: a panel's 64 scales a block."""
     s = _panel_rows(s, pairs)
     return s.view(-1, PANEL, s.shape[1]).transpose(1, 2).contiguous().view(torch.uint8)
 
@@ -87,11 +88,14 @@ def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, pairs: bool =
 
 
 def pack_q8(codes: torch.Tensor, d: torch.Tensor, pairs: bool = False) -> torch.Tensor:
-    """codes int8 [N, K], d float16 [N, K / 32] (W = d q) -> uint8 [np / 64, K / 32, 2176]."""
-    d = d.to(torch.float16)
+    """codes int8 [N, K], d [N, K / 32] float16 (W = d q) -> uint8 [np / 64, K / 32, 2176], or d
+    [N, K / 16] float32 (Q6_K's sub-blocks) -> uint8 [np / 64, K / 16, 1280]."""
+    if d.dtype != torch.float32:
+        d = d.to(torch.float16)
+    block = codes.shape[1] // d.shape[1]
     c = _panel_rows(codes, pairs)
-    p, kb = c.shape[0] // PANEL, c.shape[1] // BLOCK
-    c = c.view(p, PANEL, kb, BLOCK).permute(0, 2, 3, 1).reshape(p, kb, BLOCK * PANEL).view(torch.uint8)
+    p, kb = c.shape[0] // PANEL, c.shape[1] // block
+    c = c.view(p, PANEL, kb, block).permute(0, 2, 3, 1).reshape(p, kb, block * PANEL).view(torch.uint8)
     return torch.cat([_scales(d, pairs), c], dim=2).contiguous()
 
 
@@ -100,9 +104,10 @@ def panel_weight(blocks: torch.Tensor, fmt: int, p: int) -> torch.Tensor:
     + m): the float32 weight's panel where the blocks are its file's, bit for bit but for Q4_0's
     zeros (below)."""
     b = blocks[p]
-    if fmt == FORMAT[Q.Q8_0]:
-        d = b[:, :128].view(torch.float16).float()  # [k / 32, 64]
-        q = b[:, 128:].view(torch.int8).view(-1, BLOCK, PANEL).float()  # [k / 32, 32, 64]
+    if fmt in (FORMAT[Q.Q8_0], FORMAT[Q.Q6_K]):
+        at, block = (128, BLOCK) if fmt == FORMAT[Q.Q8_0] else (256, 16)
+        d = b[:, :at].view(torch.float16).float() if at == 128 else b[:, :at].view(torch.float32)  # [blocks, 64]
+        q = b[:, at:].view(torch.int8).view(-1, block, PANEL).float()  # [blocks, block, 64]
         return (q * d[:, None, :]).reshape(-1, PANEL)
     at = 512 if fmt == FORMAT[Q.Q4_K] else 256  # where the codes start: d and m, 64 float32 or float16 each
     scales = b[:, :at].view(torch.float32) if at == 512 else b[:, :at].view(torch.float16).float()
@@ -145,6 +150,13 @@ def _slot_blocks(raw: torch.Tensor, qtype, rows: int, pairs: bool) -> torch.Tens
         scale, offset = _k_scales(b)  # float32 [rows, K / 256, 8, 1], exact products of float16 and 6 bits
         codes = _nibble_subblocks(b[..., 16:144]).reshape(rows, -1)
         return pack_q4(codes, scale.reshape(rows, -1), -offset.reshape(rows, -1), pairs)
+    if qtype == Q.Q6_K:  # 256-weight super-blocks of 16 sub-blocks: W = fl((d sc) (q - 32))
+        from tessera.quant.gguf_kquant import _f16, _q6_codes
+
+        b = raw.view(rows, -1, 210)
+        scale = _f16(b[..., 208:210]) * b[..., 192:208].contiguous().view(torch.int8).float()  # exact
+        codes = (_q6_codes(b) - 32).reshape(rows, -1)
+        return pack_q8(codes, scale.reshape(rows, -1), pairs)
     qs, d, m = decode_q4_blocks(_blocks(raw.numpy(), qtype, rows), qtype)
     return pack_q4(file_codes(qs), d, m, pairs)
 

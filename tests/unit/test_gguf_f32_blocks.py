@@ -25,7 +25,7 @@ from tests.unit.test_gguf_kquant import random_blocks
 
 needs_avx2_tiles = pytest.mark.skipif(not (kernels.available() and _on_avx2_tiles()),
                                       reason="the float32 blocks kernel is the AVX2 tiles' (no AVX-512)")
-TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q4_K)
+TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q6_K)
 
 
 def _k(qtype: Q, k: int) -> int:
@@ -35,13 +35,14 @@ def _k(qtype: Q, k: int) -> int:
 
 
 def _extreme_scales(raw: np.ndarray, qtype: Q) -> np.ndarray:
-    """Row 0's blocks with the float16 scales' edge values: subnormal, the largest, -0, negative."""
+    """Row 0's blocks with the float16 scales' edge values: subnormal, large, -0, negative."""
     raw = raw.copy()
     block, nbytes = gguf.constants.GGML_QUANT_SIZES[qtype]
     blocks = raw.reshape(raw.shape[0], -1, nbytes)
     edges = np.array([2**-24, -(2**-24), 6.0e-5, 4096.0, -0.0, -1.5, 0.0], dtype=np.float16).view(np.uint8)
+    at = 208 if qtype == Q.Q6_K else 0  # where a block's d is
     for b in range(blocks.shape[1]):
-        blocks[0, b, 0:2] = edges.reshape(-1, 2)[b % 7]
+        blocks[0, b, at:at + 2] = edges.reshape(-1, 2)[b % 7]
         if qtype in (Q.Q4_1, Q.Q4_K):  # m, or Q4_K's dmin
             blocks[0, b, 2:4] = edges.reshape(-1, 2)[(b + 3) % 7]
     return raw

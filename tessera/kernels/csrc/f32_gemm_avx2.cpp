@@ -89,22 +89,28 @@ inline void store(__m256 (&acc)[R][V], const float* bias, float* out, int64_t ld
 //   kQ4, 1280 bytes: d, m float16 [64], then codes [32 k][8 lanes] uint32, nibble v of lane l
 //        column 8 v + l's 4-bit q; W = d q + m (Q4_1; Q4_0 as m = -8 d);
 //   kQ8, 2176 bytes: d float16 [64], then codes int8 [32 k][64 columns]; W = d q;
-//   kQ4F, 1536 bytes: kQ4 with d and m float32 (Q4_K: d = d sc, m = -dmin mn, both exact).
+//   kQ4F, 1536 bytes: kQ4 with d and m float32 (Q4_K: d = d sc, m = -dmin mn, both exact);
+//   kQ8F16, 16 k a block, 1280 bytes: d float32 [64], then codes int8 [16 k][64] (Q6_K: d = d sc,
+//        exact, and W = fl(d q) rounds once, as the loader's product does).
 // A block's W is rebuilt in registers with the loader's arithmetic: gguf.quants' numpy computes
 // fl(fl(d q) + m) and d q, where d q is exact (11 + 4 or 8 significant bits; Q4_K's d sc q 21),
 // so fma(q, d, m) and q * d give the float32 weight's bits, and the FMA chain over k is the float32
 // panel's: the same output bits from 0.63 (Q4), 0.75 (Q4F) or 1.06 (Q8) bytes a weight, not 4.
-enum Format { kF32, kQ4, kQ8, kQ4F };
-constexpr int64_t kBlock = 32;
-constexpr int64_t kQ4Bytes = 256 + kBlock * 32, kQ8Bytes = 128 + kBlock * 64, kQ4FBytes = 512 + kBlock * 32;
+enum Format { kF32, kQ4, kQ8, kQ4F, kQ8F16 };
+template <int F>
+constexpr int64_t kBlock = F == kQ8F16 ? 16 : 32;  // k a block
+template <int F>
+constexpr int64_t kScaleBytes = F == kQ4 ? 256 : F == kQ8 ? 128 : F == kQ4F ? 512 : 256;
+template <int F>
+constexpr int64_t kBlockBytes = kScaleBytes<F> + kBlock<F> * (F == kQ4 || F == kQ4F ? 32 : 64);
 
 template <int F>
 constexpr int64_t panel_bytes(int64_t k) {
   if constexpr (F == kF32) return k * kPanel * static_cast<int64_t>(sizeof(float));
-  return k / kBlock * (F == kQ4 ? kQ4Bytes : F == kQ8 ? kQ8Bytes : kQ4FBytes);
+  return k / kBlock<F> * kBlockBytes<F>;
 }
 
-// acc[r][v] += x[r][kk] * W[kk][8 (v0 + v) ..] over one block of 32 k, kk from k0, W rebuilt from
+// acc[r][v] += x[r][kk] * W[kk][8 (v0 + v) ..] over one block of k, kk from k0, W rebuilt from
 // the block's codes (see Format). The scales go through the stack once a block, as float32.
 //
 // A Q4 vector's codes are not shifted down: vector v takes its nibble in place, q 16^v (an AND,
@@ -116,10 +122,9 @@ constexpr int64_t panel_bytes(int64_t k) {
 template <int R, int V, int F, bool Top>
 inline void block_sums(const float* x, int64_t ldx, int64_t k0, const uint8_t* blk, int v0, __m256 (&acc)[R][V]) {
   constexpr bool kNibbles = F == kQ4 || F == kQ4F;
-  constexpr int64_t kScaleBytes = F == kQ4 ? 256 : F == kQ4F ? 512 : 128;
   // vector v's d (and m: a row of 64 further on), as float32
   auto scale = [&](int v, int row) {
-    if constexpr (F == kQ4F) return _mm256_loadu_ps(reinterpret_cast<const float*>(blk) + 64 * row + 8 * (v0 + v));
+    if constexpr (F == kQ4F || F == kQ8F16) return _mm256_loadu_ps(reinterpret_cast<const float*>(blk) + 64 * row + 8 * (v0 + v));
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk) + 8 * row + v0 + v));
   };
   alignas(32) float d[V][8], m[V][8];
@@ -138,9 +143,9 @@ inline void block_sums(const float* x, int64_t ldx, int64_t k0, const uint8_t* b
     _mm256_store_ps(d[v], dv);
   }
 #pragma GCC unroll 4
-  for (int j = 0; j < kBlock; ++j) {
+  for (int j = 0; j < kBlock<F>; ++j) {
     __m256i word;
-    if constexpr (kNibbles) word = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kScaleBytes + 32 * j));
+    if constexpr (kNibbles) word = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kScaleBytes<F> + 32 * j));
     // Each vector's weights are rebuilt and used at once (all V rebuilt first, then the FMAs, had
     // GCC keep V weights and their scales live beside the accumulators: spills at every k).
 #pragma GCC unroll 8
@@ -152,7 +157,7 @@ inline void block_sums(const float* x, int64_t ldx, int64_t k0, const uint8_t* b
                               : _mm256_and_si256(word, _mm256_load_si256(reinterpret_cast<const __m256i*>(mask[v])));
         w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_load_ps(d[v]), _mm256_load_ps(m[v]));
       } else {
-        const auto* codes = reinterpret_cast<const __m128i*>(blk + kScaleBytes + 64 * j + 8 * (v0 + v));
+        const auto* codes = reinterpret_cast<const __m128i*>(blk + kScaleBytes<F> + 64 * j + 8 * (v0 + v));
         w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(codes))), _mm256_load_ps(d[v]));
       }
 #pragma GCC unroll 16
@@ -175,9 +180,10 @@ inline void tile(const float* x, int64_t ldx, const void* panel, int v0, int64_t
     for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
   if constexpr (F != kF32) {
     const auto* blk = static_cast<const uint8_t*>(panel);
-    for (int64_t k0 = 0; k0 < k; k0 += kBlock, blk += panel_bytes<F>(kBlock)) {
-      if (F != kQ8 && v0 + V == 8) {  // (Top only matters to the nibbles)
-        block_sums<R, V, F, F != kQ8>(x, ldx, k0, blk, v0, acc);
+    constexpr bool kNibbles = F == kQ4 || F == kQ4F;
+    for (int64_t k0 = 0; k0 < k; k0 += kBlock<F>, blk += kBlockBytes<F>) {
+      if (kNibbles && v0 + V == 8) {  // (Top only matters to the nibbles)
+        block_sums<R, V, F, kNibbles>(x, ldx, k0, blk, v0, acc);
       } else {
         block_sums<R, V, F, false>(x, ldx, k0, blk, v0, acc);
       }
@@ -376,6 +382,7 @@ void f32_gemm_blocks(const float* x, const uint8_t* blocks, int format, const fl
   if (format == 0) run(std::integral_constant<int, kQ4>());
   if (format == 1) run(std::integral_constant<int, kQ8>());
   if (format == 2) run(std::integral_constant<int, kQ4F>());
+  if (format == 3) run(std::integral_constant<int, kQ8F16>());
 }
 
 }  // namespace tessera_avx2
