@@ -103,19 +103,35 @@ def panel_weight(blocks: torch.Tensor, fmt: int, p: int) -> torch.Tensor:
     """Panel p of the weight the blocks hold, float32 [k, 64], as the kernel rebuilds it (d q, then
     + m): the float32 weight's panel where the blocks are its file's, bit for bit but for Q4_0's
     zeros (below)."""
-    b = blocks[p]
+    return _panels(blocks[p:p + 1], fmt)[0]
+
+
+def weight_rows(blocks: torch.Tensor, fmt: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (long [R]) of the (unpaired) weight the blocks hold, float32 [R, k], as panel_weight
+    computes them: what a layer that keeps only its blocks dequantizes (and looks embeddings up) with."""
+    panels, where = torch.unique(ids // PANEL, return_inverse=True)
+    w = _panels(blocks[panels], fmt)  # [U, k, 64]
+    return w[where, :, ids % PANEL]
+
+
+def _panels(b: torch.Tensor, fmt: int) -> torch.Tensor:
+    """Blocks uint8 [P, blocks, bytes] -> the panels' weights float32 [P, k, 64]."""
+    p = b.shape[0]
     if fmt in (FORMAT[Q.Q8_0], FORMAT[Q.Q6_K]):
         at, block = (128, BLOCK) if fmt == FORMAT[Q.Q8_0] else (256, 16)
-        d = b[:, :at].view(torch.float16).float() if at == 128 else b[:, :at].view(torch.float32)  # [blocks, 64]
-        q = b[:, at:].view(torch.int8).view(-1, block, PANEL).float()  # [blocks, block, 64]
-        return (q * d[:, None, :]).reshape(-1, PANEL)
+        d = b[..., :at].contiguous()
+        d = d.view(torch.float16).float() if at == 128 else d.view(torch.float32)  # [P, blocks, 64]
+        q = b[..., at:].contiguous().view(torch.int8).view(p, -1, block, PANEL).float()  # [P, blocks, block, 64]
+        return (q * d[:, :, None, :]).reshape(p, -1, PANEL)
     at = 512 if fmt == FORMAT[Q.Q4_K] else 256  # where the codes start: d and m, 64 float32 or float16 each
-    scales = b[:, :at].view(torch.float32) if at == 512 else b[:, :at].view(torch.float16).float()
-    d, m = scales.chunk(2, dim=1)
-    words = b[:, at:].reshape(-1, BLOCK, 8, 4).to(torch.int64)  # [k / 32, 32, lane, byte]
-    words = (words << torch.tensor([0, 8, 16, 24])).sum(-1)  # [k / 32, 32, lane]
-    q = (words[..., None, :] >> (4 * torch.arange(8))[:, None]) & 15  # [k / 32, 32, v, lane]
-    return (q.reshape(q.shape[0], BLOCK, PANEL).float() * d[:, None, :] + m[:, None, :]).reshape(-1, PANEL)
+    scales = b[..., :at].contiguous()
+    scales = scales.view(torch.float32) if at == 512 else scales.view(torch.float16).float()
+    d, m = scales.chunk(2, dim=-1)  # [P, blocks, 64] each
+    words = b[..., at:].reshape(p, -1, BLOCK, 8, 4).to(torch.int64)  # [P, blocks, 32, lane, byte]
+    words = (words << torch.tensor([0, 8, 16, 24])).sum(-1)  # [P, blocks, 32, lane]
+    q = (words[..., None, :] >> (4 * torch.arange(8))[:, None]) & 15  # [P, blocks, 32, v, lane]
+    q = q.reshape(p, -1, BLOCK, PANEL).float()
+    return (q * d[:, :, None, :] + m[:, :, None, :]).reshape(p, -1, PANEL)
 
 
 def _q5_0_codes(b: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

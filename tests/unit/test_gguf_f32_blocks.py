@@ -131,6 +131,33 @@ def test_packing_places_each_weight_where_the_kernel_reads_it():
             assert blk[:128].view(torch.float16)[c] == d[col, kk // 32]
 
 
+@needs_avx2_tiles
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q4_K, Q.Q6_K])
+def test_gguf_mode_block_layers_compute_from_the_blocks_at_every_size(qtype):
+    """--quantization gguf keeps these types as GGUFBlockLinear; on the AVX2 tiles it keeps them as
+    blocks in panel order, and its float32 calls of every size (a prefill chunk's too) take the
+    blocks kernel: linear_f32's bits on the loader's weight, where the per-tile decode it replaces
+    is only close to them."""
+    from tessera.quant.gguf_kquant import GGUFBlockLinear
+
+    raw = _extreme_scales(random_blocks(qtype, 100, 512, seed=29), qtype)
+    layer = GGUFBlockLinear(torch.from_numpy(raw.copy()), qtype)
+    assert layer.kernels == ("blocks", "dequant") and layer.select_kernel(300) == "blocks"
+    w = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
+    # the blocks are the layer's only copy: its dequantization (and embedding rows) come from them
+    assert not hasattr(layer, "raw")
+    assert torch.equal(layer.dequantize().view(torch.int32), w.view(torch.int32))
+    ids = torch.tensor([[99, 0], [64, 63]])
+    assert torch.equal(layer.dequantize_rows(ids).view(torch.int32), w[ids].view(torch.int32))
+    plain = InvariantLinear(w)
+    gen = torch.Generator().manual_seed(30)
+    for m in (1, 5, 8, 9, 130):
+        x = torch.randn(m, 512, generator=gen)
+        assert torch.equal(layer(x), plain(x)), f"{m} rows"
+        bound = 512 * 2**-23 * (x.double().abs() @ w.double().abs().t())  # two float32 sums' rounding
+        assert ((layer(x, kernel="dequant").double() - plain(x).double()).abs() <= bound).all()
+
+
 PROMPTS = [list(range(5, 45)), list(range(7, 12)), [3] * 60 + list(range(20, 50))]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
 

@@ -76,12 +76,19 @@ def test_block_linear_matches_f_linear(qtype, m):
         assert (err <= 2**-8 * (x.double().abs() @ w.double().abs().t())).all()
     else:
         torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
-    assert layer.weight_bytes() == expected_bytes(qtype, 600, 512, layer.invariant)  # no float copy
+    assert layer.weight_bytes() == expected_bytes(qtype, 600, 512, layer.invariant, layer.f32_blocks is not None)
 
 
-def expected_bytes(qtype: Q, rows: int, k: int, tiled: bool) -> int:
-    """The file's bytes; in tile order (gguf_tiles.py) rows padded to 32, and Q4_K / Q5_K keep their
-    twelve bytes of 6-bit scales and mins per super-block in sixteen."""
+# The AVX2 tiles' panel-order blocks (gguf_f32_blocks.py): bytes per 32 weights of a row
+PANEL_BLOCK_BYTES = {Q.Q5_0: 34, Q.Q4_K: 24, Q.Q6_K: 40}
+
+
+def expected_bytes(qtype: Q, rows: int, k: int, tiled: bool, panels: bool = False) -> int:
+    """No float copy: the file's bytes; in tile order (gguf_tiles.py) rows padded to 32, and Q4_K /
+    Q5_K keep their twelve bytes of 6-bit scales and mins per super-block in sixteen; in panel
+    order (the AVX2 tiles) rows padded to 64, Q5_0 as int8 codes, Q4_K and Q6_K with float32 scales."""
+    if panels:
+        return -(-rows // 64) * 64 * k // 32 * PANEL_BLOCK_BYTES[qtype]
     row_bytes = k // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]
     if not tiled:
         return rows * row_bytes
@@ -212,10 +219,12 @@ def test_native_tensors_are_logged_with_the_memory_they_take(tiny_model_dir, tmp
     assert what == "computed from their blocks"
     assert count == 7 * model.config.num_layers + 2
     assert mib == pytest.approx(sum(m.weight_bytes() for m in layers.values()) / 2**20, rel=1e-9)
-    # ...which is the file's Q5_0 bytes (rows padded to 32 in the AMX tile order): 5.5 bits a weight.
+    # ...which is the file's Q5_0 bytes (rows padded to 32 in the AMX tile order): 5.5 bits a weight;
+    # on the AVX2 tiles int8 codes in panel order (rows padded to 64): 8.5 bits.
     files = load_model_files(path)
     file_bytes = sum(t.n_bytes for t in files.reader.tensors if t.tensor_type == Q.Q5_0)
-    assert file_bytes <= mib * 2**20 <= file_bytes * 1.3
+    panels = any(getattr(m, "f32_blocks", None) is not None for m in layers.values())
+    assert file_bytes * (34 / 22 if panels else 1) <= mib * 2**20 <= file_bytes * (34 / 22 * 2 if panels else 1.3)
 
 
 # ---- the C++ decode GEMV --------------------------------------------------------------------
