@@ -80,10 +80,11 @@ def bf16_codes_saving(path: str) -> int:
 
 def f32_blocks_saving(path: str) -> int:
     """Bytes a Tessera float32 decode step at batch 1 does not read on this machine because it
-    computes its linears from the GGUF file's Q4_0/Q4_1/Q8_0 blocks (tessera/quant/
-    gguf_f32_blocks.py: AVX2 CPUs without AVX-512, calls of up to BLOCKS_MAX_ROWS rows, unless
-    TESSERA_GGUF_CODES=0): per such tensor its float32 bytes less its file bytes, the lm_head's
-    (output.weight, or token_embd.weight when tied) included. 0 where it reads float32."""
+    computes its linears from the GGUF file's blocks (tessera/quant/gguf_f32_blocks.py: AVX2 CPUs
+    without AVX-512, calls of up to BLOCKS_MAX_ROWS rows, unless TESSERA_GGUF_CODES=0): per such
+    tensor its float32 bytes less the bytes of its blocks in the kernel's layout (BLOCK_BYTES: the
+    file's for Q4_0 / Q4_1 / Q8_0, more for Q5_0, Q4_K and Q6_K), the lm_head's (output.weight, or
+    token_embd.weight when tied) included. 0 where it reads float32."""
     from gguf import GGUFReader
 
     from tessera.quant import gguf_f32_blocks
@@ -92,7 +93,8 @@ def f32_blocks_saving(path: str) -> int:
         return 0
     tensors = {t.name: t for t in GGUFReader(path).tensors}
     lm_head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
-    return sum(int(t.n_elements) * 4 - int(t.n_bytes) for name, t in tensors.items()
+    return sum(int(t.n_elements) * 4 - int(t.n_elements) // 32 * gguf_f32_blocks.BLOCK_BYTES[t.tensor_type]
+               for name, t in tensors.items()
                if (name.startswith("blk.") or name == lm_head) and t.tensor_type in gguf_f32_blocks.FORMAT)
 
 

@@ -50,6 +50,8 @@ Q4_TYPES = (Q.Q4_0, Q.Q4_1)
 # float32, not in float16), 3 the Q8 kernel with float32 scales per 16 k (Q6_K: W = fl((d sc) q)
 # with d sc exact, one rounding as the kernel's product)
 FORMAT = {Q.Q4_0: 0, Q.Q4_1: 0, Q.Q8_0: 1, Q.Q5_0: 1, Q.Q4_K: 2, Q.Q6_K: 3}
+# bytes per 32 weights in that layout (the file's: Q4_0 18, Q4_1 20, Q8_0 34, Q5_0 22, Q4_K 18, Q6_K 26.25)
+BLOCK_BYTES = {Q.Q4_0: 20, Q.Q4_1: 20, Q.Q8_0: 34, Q.Q5_0: 34, Q.Q4_K: 24, Q.Q6_K: 40}
 PANEL, BLOCK = 64, 32
 
 

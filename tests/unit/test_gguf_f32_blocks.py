@@ -235,3 +235,10 @@ def test_panel_weight_is_the_loaders_weight(qtype, pairs):
         assert torch.equal(got, want)
         signs_differ = got.view(torch.int32) != want.view(torch.int32)
         assert (qtype == Q.Q4_0 or not signs_differ.any()) and (got[signs_differ] == 0).all()
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_block_bytes_are_what_the_layout_takes(qtype):
+    """BLOCK_BYTES (what compare_floors counts a batch-1 step reading) against the packed size."""
+    blocks = gguf_f32_blocks._slot_blocks(torch.from_numpy(random_blocks(qtype, 128, 256, seed=31)), qtype, 128, False)
+    assert blocks.numel() == 128 * 256 // 32 * gguf_f32_blocks.BLOCK_BYTES[qtype]

@@ -79,16 +79,14 @@ def test_block_linear_matches_f_linear(qtype, m):
     assert layer.weight_bytes() == expected_bytes(qtype, 600, 512, layer.invariant, layer.f32_blocks is not None)
 
 
-# The AVX2 tiles' panel-order blocks (gguf_f32_blocks.py): bytes per 32 weights of a row
-PANEL_BLOCK_BYTES = {Q.Q5_0: 34, Q.Q4_K: 24, Q.Q6_K: 40}
-
-
 def expected_bytes(qtype: Q, rows: int, k: int, tiled: bool, panels: bool = False) -> int:
     """No float copy: the file's bytes; in tile order (gguf_tiles.py) rows padded to 32, and Q4_K /
     Q5_K keep their twelve bytes of 6-bit scales and mins per super-block in sixteen; in panel
     order (the AVX2 tiles) rows padded to 64, Q5_0 as int8 codes, Q4_K and Q6_K with float32 scales."""
     if panels:
-        return -(-rows // 64) * 64 * k // 32 * PANEL_BLOCK_BYTES[qtype]
+        from tessera.quant.gguf_f32_blocks import BLOCK_BYTES
+
+        return -(-rows // 64) * 64 * k // 32 * BLOCK_BYTES[qtype]
     row_bytes = k // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]
     if not tiled:
         return rows * row_bytes
