@@ -121,7 +121,7 @@ class InvariantLinear(nn.Module):
         self.codes = None
         self.codes_kind = -1
         self.q8_codes: tuple[torch.Tensor, torch.Tensor] | None = None
-        # a float32 weight's GGUF Q4_0 / Q4_1 / Q8_0 blocks in panel order (gguf_f32_blocks.py)
+        # a float32 weight's GGUF blocks in panel order (gguf_f32_blocks.py)
         self.f32_blocks: torch.Tensor | None = None
         self.f32_blocks_format = -1
 
@@ -142,9 +142,9 @@ class InvariantLinear(nn.Module):
         self.q8_codes = (tiles, d)
 
     def attach_f32_blocks(self, blocks: torch.Tensor, fmt: int) -> None:
-        """blocks: gguf_f32_blocks.pack_q4 / pack_q8 of the GGUF blocks this float32 weight was
-        dequantized from (fmt 0 Q4_0 / Q4_1, 1 Q8_0); calls of up to BLOCKS_MAX_ROWS rows then
-        read them (the same bits, a sixth of the bytes for Q4)."""
+        """blocks: gguf_f32_blocks.blocks_of the GGUF blocks this float32 weight was dequantized
+        from (fmt: gguf_f32_blocks.FORMAT's, linear_f32_blocks' format); calls of up to
+        BLOCKS_MAX_ROWS rows then read them (the same bits, a sixth of the bytes for Q4_1)."""
         if self.dtype != torch.float32 or not _on_avx2_tiles():
             raise ValueError("GGUF blocks for a float32 weight need the AVX2 tiles (CPUs without AVX-512)")
         self.f32_blocks, self.f32_blocks_format = blocks, fmt

@@ -1,30 +1,37 @@
-"""A GGUF model in float32 decodes from the file's own Q4_0 / Q4_1 / Q4_K / Q5_0 / Q6_K / Q8_0 blocks: the same bits from a sixth to a third of the bytes.
+"""A GGUF model in float32 decodes from the file's own blocks: the same bits from a sixth to a third of the bytes.
 
 Loaded in float32, a GGUF model's linear weight is W, the file's dequantization by `gguf.quants`
-(numpy, float32): fl(fl(d q) + m) for Q4_1, d (q - 8) for Q4_0, d q for Q8_0, d (q - 16) for
-Q5_0 (taken as Q8_0 with the int8 codes q - 16), d and m float16; Q4_K's 32-weight sub-blocks
-are fl((d sc) q - dmin mn), d sc and dmin mn exact float32 products (a Q4 block with float32
-scales); Q6_K's 16-weight sub-blocks fl((d sc) (q - 32)), d sc exact (a Q8 block of 16 k with
-float32 scales, 1.25 bytes a weight).
-d q is exact in float32 (11 significant bits times 4, 5 or 8), so an FMA q * d + m (Q4_0 as
-m = -8 d, exact) and a product q * d rebuild W bit for bit (one exception: a Q4_0 zero weight
-under a negative d is +0 here and -0 in numpy, a sign no output shows: an FMA chain's
-accumulator starts at +0 and never becomes -0, and acc + x * (+-0) is acc). The AVX2 register tiles
-(csrc/f32_gemm_avx2.cpp, `linear_f32_blocks`) do that in registers and feed the float32 kernel's
-own FMA chain over k in order: the same output bits as `linear_f32` on W, reading 0.63 (Q4) or
-1.06 (Q8) bytes a weight instead of 4. A decode step of the default model (Q4_1 layers, a Q8_0
-tied lm_head) reads ~96 MB instead of 538.
+(numpy, float32), per block of 32 (16 for Q6_K) weights of a row, d, m and dmin float16:
+
+| type | W | kept as (linear_f32_blocks' format) |
+|---|---|---|
+| Q4_1, Q4_0 | fl(fl(d q) + m); d (q - 8) | nibbles, float16 d and m (Q4_0: m = -8 d, exact) |
+| Q8_0, Q5_0 | d q; d (q - 16) | int8 codes (q - 16), float16 d |
+| Q4_K | fl((d sc) q - dmin mn) | nibbles, float32 d sc and -dmin mn (exact products) |
+| Q6_K | fl((d sc) (q - 32)) | int8 codes per 16, float32 d sc |
+| Q5_1, Q5_K | fl(d q + m); as Q4_K | int8 codes, float32 d and m |
+
+d q is exact in float32 (at most 11 + 8 significant bits; Q4_K's and Q5_K's d sc q 22), so an
+FMA q * d + m, or a product q * d where the loader had only that, rounds exactly as the loader
+did: the weight bit for bit (one exception: a Q4_0 zero weight under a negative d is +0 here and
+-0 in numpy, a sign no output shows: an FMA chain's accumulator starts at +0 and never becomes -0,
+and acc + x * (+-0) is acc). The AVX2 register tiles (csrc/f32_gemm_avx2.cpp, `linear_f32_blocks`)
+rebuild W that way in registers and feed the float32 kernel's own FMA chain over k in order: the
+same output bits as `linear_f32` on W, reading 0.63 (Q4_1) to 1.25 bytes a weight instead of 4. A
+decode step of the default model (Q4_1 layers, a Q8_0 tied lm_head) reads ~96 MB instead of 538.
 
 Where: float32 InvariantLinear weights on the AVX2 tiles (CPUs without AVX-512: Zen 3), slots
-whose parts all have one of those types (Q5_1, Q5_K and the others keep their float32 weight), calls of up to BLOCKS_MAX_ROWS rows (above, the tiles are compute-bound and the
-dequantization would be repeated per row tile, so the float32 panels serve prefill chunks and
-large batches: both stay in memory). `TESSERA_GGUF_CODES=0` turns it off, as for the bf16
-engine's blocks (gguf_codes.py).
+whose parts all have one of those types (other types keep their float32 weight), calls of up to
+BLOCKS_MAX_ROWS rows (above, the tiles are compute-bound and the rebuild would be repeated per
+row tile, so the float32 panels serve prefill chunks and large batches: both stay in memory).
+`--quantization gguf` keeps the K-quant and Q5 layers as these blocks only and computes from them
+at every size (gguf_kquant.GGUFBlockLinear). `TESSERA_GGUF_CODES=0` turns both off, as for the
+bf16 engine's blocks (gguf_codes.py).
 
 Layout (panel order, as the float32 weight's 64-column panels, gate_up pairs included): uint8
-[np / 64, k / 32, block bytes]; a Q4 block is d, m float16 [64] and codes [32 k][8 lanes] as
-uint32 whose nibble v is column 8 v + lane's q (1280 bytes; 1536 with float32 d and m); a Q8
-block d float16 [64] and codes int8 [32 k][64].
+[np / 64, k / block, block bytes], each block the panel's scales, then its codes: nibbles as
+[32 k][8 lanes] uint32 words whose nibble v is column 8 v + lane's q, or int8 [block k][64].
+BLOCK_BYTES has the sizes.
 """
 
 from __future__ import annotations
@@ -32,9 +39,9 @@ from __future__ import annotations
 import logging
 import os
 
-import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
+from gguf.constants import GGML_QUANT_SIZES
 
 from tessera import memory
 
@@ -43,15 +50,16 @@ logger = logging.getLogger("tessera")
 # Row counts up to this take the blocks. Zen 3, the default model's linears, blocks against
 # float32 panels (benchmarks/linears.py): see docs/kernels.md, session 38.
 BLOCKS_MAX_ROWS = 8
-Q4_TYPES = (Q.Q4_0, Q.Q4_1)
 # linear_f32_blocks' format argument: 0 the Q4 kernel, 1 the Q8 one (Q5_0's W = d (q - 16) is
 # d times an int8 code, so it takes the Q8 layout: 1.06 bytes a weight against its file's 0.69),
 # 2 the Q4 kernel with float32 scales (Q4_K's 32-weight sub-blocks: d sc and dmin mn are exact in
 # float32, not in float16), 3 the Q8 kernel with float32 scales per 16 k (Q6_K: W = fl((d sc) q)
-# with d sc exact, one rounding as the kernel's product)
-FORMAT = {Q.Q4_0: 0, Q.Q4_1: 0, Q.Q8_0: 1, Q.Q5_0: 1, Q.Q4_K: 2, Q.Q6_K: 3}
-# bytes per 32 weights in that layout (the file's: Q4_0 18, Q4_1 20, Q8_0 34, Q5_0 22, Q4_K 18, Q6_K 26.25)
-BLOCK_BYTES = {Q.Q4_0: 20, Q.Q4_1: 20, Q.Q8_0: 34, Q.Q5_0: 34, Q.Q4_K: 24, Q.Q6_K: 40}
+# with d sc exact, one rounding as the kernel's product), 4 the Q8 kernel with float32 d and m
+# (Q5_1's W = d q + m and Q5_K's (d sc) q - dmin mn on 5-bit codes, d q exact)
+FORMAT = {Q.Q4_0: 0, Q.Q4_1: 0, Q.Q8_0: 1, Q.Q5_0: 1, Q.Q4_K: 2, Q.Q6_K: 3, Q.Q5_1: 4, Q.Q5_K: 4}
+# bytes per 32 weights in that layout (the file's: Q4_0 18, Q4_1 20, Q8_0 34, Q5_0 22, Q5_1 24,
+# Q4_K 18, Q5_K 22, Q6_K 26.25)
+BLOCK_BYTES = {Q.Q4_0: 20, Q.Q4_1: 20, Q.Q8_0: 34, Q.Q5_0: 34, Q.Q4_K: 24, Q.Q6_K: 40, Q.Q5_1: 40, Q.Q5_K: 40}
 PANEL, BLOCK = 64, 32
 
 
@@ -89,22 +97,27 @@ def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, pairs: bool =
     return torch.cat([_scales(d, pairs), _scales(m, pairs), nibbles], dim=2).contiguous()
 
 
-def pack_q8(codes: torch.Tensor, d: torch.Tensor, pairs: bool = False) -> torch.Tensor:
-    """codes int8 [N, K], d [N, K / 32] float16 (W = d q) -> uint8 [np / 64, K / 32, 2176], or d
-    [N, K / 16] float32 (Q6_K's sub-blocks) -> uint8 [np / 64, K / 16, 1280]."""
-    if d.dtype != torch.float32:
-        d = d.to(torch.float16)
-    block = codes.shape[1] // d.shape[1]
+def pack_q8(codes: torch.Tensor, d: torch.Tensor, pairs: bool = False, m: torch.Tensor | None = None) -> torch.Tensor:
+    """codes int8 [N, K] and, per block of codes in a row:
+    - d float16 [N, K / 32] (W = d q) -> uint8 [np / 64, K / 32, 2176];
+    - d float32 [N, K / 16] (Q6_K's sub-blocks) -> uint8 [np / 64, K / 16, 1280];
+    - d and m float32 [N, K / 32] (W = d q + m) -> uint8 [np / 64, K / 32, 2560]."""
+    block = BLOCK if m is not None or d.dtype != torch.float32 else 16
+    if d.shape[1] * block != codes.shape[1] or (m is not None and (m.shape != d.shape or d.dtype != torch.float32)):
+        raise ValueError("pack_q8: float16 d per 32 codes, float32 d per 16, or float32 d and m per 32")
+    scales = [_scales(d if d.dtype == torch.float32 else d.to(torch.float16), pairs)]
+    if m is not None:
+        scales.append(_scales(m, pairs))
     c = _panel_rows(codes, pairs)
     p, kb = c.shape[0] // PANEL, c.shape[1] // block
     c = c.view(p, PANEL, kb, block).permute(0, 2, 3, 1).reshape(p, kb, block * PANEL).view(torch.uint8)
-    return torch.cat([_scales(d, pairs), c], dim=2).contiguous()
+    return torch.cat([*scales, c], dim=2).contiguous()
 
 
 def panel_weight(blocks: torch.Tensor, fmt: int, p: int) -> torch.Tensor:
     """Panel p of the weight the blocks hold, float32 [k, 64], as the kernel rebuilds it (d q, then
     + m): the float32 weight's panel where the blocks are its file's, bit for bit but for Q4_0's
-    zeros (below)."""
+    zeros (the module docstring says why no output shows them)."""
     return _panels(blocks[p:p + 1], fmt)[0]
 
 
@@ -119,12 +132,15 @@ def weight_rows(blocks: torch.Tensor, fmt: int, ids: torch.Tensor) -> torch.Tens
 def _panels(b: torch.Tensor, fmt: int) -> torch.Tensor:
     """Blocks uint8 [P, blocks, bytes] -> the panels' weights float32 [P, k, 64]."""
     p = b.shape[0]
-    if fmt in (FORMAT[Q.Q8_0], FORMAT[Q.Q6_K]):
-        at, block = (128, BLOCK) if fmt == FORMAT[Q.Q8_0] else (256, 16)
-        d = b[..., :at].contiguous()
-        d = d.view(torch.float16).float() if at == 128 else d.view(torch.float32)  # [P, blocks, 64]
+    if fmt in (FORMAT[Q.Q8_0], FORMAT[Q.Q6_K], FORMAT[Q.Q5_1]):
+        at, block = {FORMAT[Q.Q8_0]: (128, BLOCK), FORMAT[Q.Q6_K]: (256, 16), FORMAT[Q.Q5_1]: (512, BLOCK)}[fmt]
+        scales = b[..., :at].contiguous()
+        scales = scales.view(torch.float16).float() if at == 128 else scales.view(torch.float32)
         q = b[..., at:].contiguous().view(torch.int8).view(p, -1, block, PANEL).float()  # [P, blocks, block, 64]
-        return (q * d[:, :, None, :]).reshape(p, -1, PANEL)
+        if at == 512:  # d and m [P, blocks, 64] each
+            d, m = scales.chunk(2, dim=-1)
+            return (q * d[:, :, None, :] + m[:, :, None, :]).reshape(p, -1, PANEL)
+        return (q * scales[:, :, None, :]).reshape(p, -1, PANEL)
     at = 512 if fmt == FORMAT[Q.Q4_K] else 256  # where the codes start: d and m, 64 float32 or float16 each
     scales = b[..., :at].contiguous()
     scales = scales.view(torch.float32) if at == 512 else scales.view(torch.float16).float()
@@ -136,21 +152,9 @@ def _panels(b: torch.Tensor, fmt: int) -> torch.Tensor:
     return (q * d[:, :, None, :] + m[:, :, None, :]).reshape(p, -1, PANEL)
 
 
-def _q5_0_codes(b: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q5_0 blocks uint8 [rows, K / 32, 22] (d, 4 bytes of high bits, 16 of low nibbles) -> (the
-    int8 codes q - 16 [rows, K], d float16 [rows, K / 32]): W = d (q - 16), as gguf.quants."""
-    rows = b.shape[0]
-    d = torch.from_numpy(np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].copy())
-    high = np.ascontiguousarray(b[..., 2:6]).view(np.uint32)  # bit j: weight j's fifth bit
-    high = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
-    qs = b[..., 6:]  # byte j: weight j low nibble, weight j + 16 high nibble
-    low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-    codes = ((low | (high << 4)).astype(np.int16) - 16).astype(np.int8)
-    return torch.from_numpy(codes.reshape(rows, -1)), d
-
-
-def _slot_blocks(raw: torch.Tensor, qtype, rows: int, pairs: bool) -> torch.Tensor:
-    """A slot's block bytes uint8 [rows, bytes per row] (its parts in order) -> the kernel's blocks."""
+def blocks_of(raw: torch.Tensor, qtype, rows: int, pairs: bool) -> torch.Tensor:
+    """A weight's GGUF block bytes uint8 [rows, bytes per row] (a fused slot's parts in order) of a
+    FORMAT type -> the kernel's blocks in panel order (pairs: a gate_up in the paired layout)."""
     from tessera.quant.gguf_int8_activations import decode_q4_blocks, file_codes
     from tessera.quant.gguf_native import _blocks
 
@@ -159,8 +163,21 @@ def _slot_blocks(raw: torch.Tensor, qtype, rows: int, pairs: bool) -> torch.Tens
         d = torch.from_numpy(b[..., 0:2].copy()).view(torch.float16)[..., 0]
         codes = torch.from_numpy(b[..., 2:].copy()).view(torch.int8).reshape(rows, -1)
         return pack_q8(codes, d, pairs)
-    if qtype == Q.Q5_0:
-        return pack_q8(*_q5_0_codes(raw.numpy().reshape(rows, -1, 22)), pairs)
+    if qtype in (Q.Q5_0, Q.Q5_1, Q.Q5_K):
+        from tessera.quant.gguf_kquant import _f16, _k_scales, _nibble_subblocks, _q5_codes
+
+        b = raw.view(rows, -1, GGML_QUANT_SIZES[qtype][1])
+        if qtype == Q.Q5_0:  # W = d (q - 16): the int8 code q - 16 with Q8_0's float16 d
+            codes = (_q5_codes(b[..., 2:6], b[..., 6:22]) - 16).to(torch.int8).reshape(rows, -1)
+            return pack_q8(codes, b[..., 0:2].contiguous().view(torch.float16)[..., 0], pairs)
+        if qtype == Q.Q5_1:  # W = d q + m
+            codes = _q5_codes(b[..., 4:8], b[..., 8:24]).to(torch.int8).reshape(rows, -1)
+            return pack_q8(codes, _f16(b[..., 0:2])[..., 0], pairs, _f16(b[..., 2:4])[..., 0])
+        # Q5_K, 256-weight super-blocks of 8 sub-blocks: W = (d sc) q - dmin mn, q = low | high << 4
+        scale, offset = _k_scales(b)  # float32 [rows, K / 256, 8, 1], exact
+        high = b[..., 16:48].reshape(rows, -1, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(8, 1)
+        codes = (_nibble_subblocks(b[..., 48:176]) | ((high & 1) << 4)).to(torch.int8).reshape(rows, -1)
+        return pack_q8(codes, scale.reshape(rows, -1), pairs, -offset.reshape(rows, -1))
     if qtype == Q.Q4_K:  # 256-weight super-blocks of 8 sub-blocks: W = (d sc) q - dmin mn
         from tessera.quant.gguf_kquant import _k_scales, _nibble_subblocks
 
@@ -206,7 +223,7 @@ def attach_f32_blocks(model, files) -> int:
         if raw.shape[0] != w.out_features:
             continue
         try:
-            blocks = _slot_blocks(raw, qtype, raw.shape[0], w.pairs)
+            blocks = blocks_of(raw, qtype, raw.shape[0], w.pairs)
         except ValueError as e:  # a Q4_0 scale that overflows float16 as m = -8 d
             logger.debug("%s keeps its float32 weight: %s", slot.attr, e)
             continue

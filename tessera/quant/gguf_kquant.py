@@ -135,7 +135,9 @@ def decode_rows(raw: torch.Tensor, qtype: Q) -> torch.Tensor:
 
 class GGUFBlockLinear(QuantLinear):
     """A GGUF weight of a KQUANT_TYPES block type (or Q4_0 / Q4_1 where the AMX kernel runs:
-    gguf_native._decode), kept as its file bytes, decoded per row tile."""
+    gguf_native._decode): on AVX-512 BF16 CPUs its bits in tile order for the invariant kernel; on
+    the AVX2 tiles (Zen 3) the Q5 types and K-quants as blocks in panel order for linear_f32_blocks
+    (gguf_f32_blocks.py); else kept as its file bytes, decoded per row tile."""
 
     def __init__(self, raw: torch.Tensor, qtype: Q) -> None:
         block, nbytes = GGML_QUANT_SIZES[qtype]
@@ -163,7 +165,7 @@ class GGUFBlockLinear(QuantLinear):
 
             if qtype in gguf_f32_blocks.FORMAT and gguf_f32_blocks.enabled():
                 self.f32_blocks_format = gguf_f32_blocks.FORMAT[qtype]
-                blocks = gguf_f32_blocks._slot_blocks(raw, qtype, rows, False)
+                blocks = gguf_f32_blocks.blocks_of(raw, qtype, rows, False)
                 self.kernels = ("blocks", "dequant")
         self.register_buffer("f32_blocks", blocks)
         if not self.invariant and blocks is None:

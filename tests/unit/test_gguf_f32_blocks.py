@@ -25,7 +25,7 @@ from tests.unit.test_gguf_kquant import random_blocks
 
 needs_avx2_tiles = pytest.mark.skipif(not (kernels.available() and _on_avx2_tiles()),
                                       reason="the float32 blocks kernel is the AVX2 tiles' (no AVX-512)")
-TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q6_K)
+TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q6_K, Q.Q5_1, Q.Q5_K)
 
 
 def _k(qtype: Q, k: int) -> int:
@@ -43,7 +43,7 @@ def _extreme_scales(raw: np.ndarray, qtype: Q) -> np.ndarray:
     at = 208 if qtype == Q.Q6_K else 0  # where a block's d is
     for b in range(blocks.shape[1]):
         blocks[0, b, at:at + 2] = edges.reshape(-1, 2)[b % 7]
-        if qtype in (Q.Q4_1, Q.Q4_K):  # m, or Q4_K's dmin
+        if qtype in (Q.Q4_1, Q.Q4_K, Q.Q5_1, Q.Q5_K):  # m, or the K-quants' dmin
             blocks[0, b, 2:4] = edges.reshape(-1, 2)[(b + 3) % 7]
     return raw
 
@@ -53,7 +53,7 @@ def _layers(qtype: Q, n: int, k: int, pairs: bool, seed: int) -> tuple[Invariant
     raw = _extreme_scales(random_blocks(qtype, n, k, seed=seed), qtype)
     w = torch.from_numpy(gguf.quants.dequantize(raw, qtype))  # what the loader makes of the file
     plain, blocked = InvariantLinear(w, pairs=pairs), InvariantLinear(w, pairs=pairs)
-    blocked.attach_f32_blocks(gguf_f32_blocks._slot_blocks(torch.from_numpy(raw), qtype, n, pairs), FORMAT[qtype])
+    blocked.attach_f32_blocks(gguf_f32_blocks.blocks_of(torch.from_numpy(raw), qtype, n, pairs), FORMAT[qtype])
     return plain, blocked, w
 
 
@@ -97,7 +97,7 @@ def test_the_blocks_are_what_small_calls_read():
     layer = InvariantLinear(torch.from_numpy(gguf.quants.dequantize(raw, Q.Q4_1)))
     small, large = torch.randn(BLOCKS_MAX_ROWS, 256), torch.randn(BLOCKS_MAX_ROWS + 1, 256)
     before = layer(small), layer(large)
-    layer.attach_f32_blocks(gguf_f32_blocks._slot_blocks(torch.from_numpy(other), Q.Q4_1, 64, False), 0)
+    layer.attach_f32_blocks(gguf_f32_blocks.blocks_of(torch.from_numpy(other), Q.Q4_1, 64, False), 0)
     assert not torch.equal(layer(small), before[0])
     assert torch.equal(layer(large), before[1])
 
@@ -132,7 +132,7 @@ def test_packing_places_each_weight_where_the_kernel_reads_it():
 
 
 @needs_avx2_tiles
-@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q4_K, Q.Q6_K])
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q4_K, Q.Q6_K, Q.Q5_1, Q.Q5_K])
 def test_gguf_mode_block_layers_compute_from_the_blocks_at_every_size(qtype):
     """--quantization gguf keeps these types as GGUFBlockLinear; on the AVX2 tiles it keeps them as
     blocks in panel order, and its float32 calls of every size (a prefill chunk's too) take the
@@ -178,7 +178,7 @@ def _blocked(model) -> list[InvariantLinear]:
 
 
 @needs_avx2_tiles
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_0])
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_0, Q.Q5_0, Q.Q5_1])
 @pytest.mark.parametrize("eager", [False, True])
 def test_engine_with_blocks_equals_engine_without(tiny_model_factory, tmp_path, caplog, qtype, eager):
     """One engine, the same requests with the blocks and then without them (prefix caching off, so
@@ -228,7 +228,7 @@ def test_panel_weight_is_the_loaders_weight(qtype, pairs):
     w = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
     if pairs:  # the float32 panels' paired order (kernels/linear.py): 8 gate rows, then 8 up rows
         w = w.reshape(2, 8, 8, -1).transpose(0, 1).reshape(w.shape)
-    blocks = gguf_f32_blocks._slot_blocks(torch.from_numpy(raw), qtype, 128, pairs)
+    blocks = gguf_f32_blocks.blocks_of(torch.from_numpy(raw), qtype, 128, pairs)
     for p in (0, 1):
         got = gguf_f32_blocks.panel_weight(blocks, FORMAT[qtype], p)
         want = w[64 * p: 64 * p + 64].t().contiguous()
@@ -240,5 +240,26 @@ def test_panel_weight_is_the_loaders_weight(qtype, pairs):
 @pytest.mark.parametrize("qtype", TYPES)
 def test_block_bytes_are_what_the_layout_takes(qtype):
     """BLOCK_BYTES (what compare_floors counts a batch-1 step reading) against the packed size."""
-    blocks = gguf_f32_blocks._slot_blocks(torch.from_numpy(random_blocks(qtype, 128, 256, seed=31)), qtype, 128, False)
+    blocks = gguf_f32_blocks.blocks_of(torch.from_numpy(random_blocks(qtype, 128, 256, seed=31)), qtype, 128, False)
     assert blocks.numel() == 128 * 256 // 32 * gguf_f32_blocks.BLOCK_BYTES[qtype]
+
+
+@needs_avx2_tiles
+def test_gguf_mode_on_q5_1_blocks_equals_the_float32_engine(tiny_model_factory, tmp_path):
+    """A Q5_1 file, every weight the lm_head included: --quantization gguf keeps only the blocks
+    (GGUFBlockLinear, the embedding rows from them too) and the float32 engine dequantizes them at
+    load; both compute from the same blocks with the float32 weights' bits, so their tokens and
+    logprobs are equal, prefill chunks included."""
+    model_dir = tiny_model_factory(tie_word_embeddings=False)
+    path = write_gguf_from_hf_dir(model_dir, tmp_path / "t.gguf", qtype=Q.Q5_1)
+    got = {}
+    for quantization in ("none", "gguf"):
+        engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", quantization=quantization, max_model_len=256,
+                                        max_num_batched_tokens=32, enable_prefix_caching=False))
+        if quantization == "gguf":
+            from tessera.quant.gguf_kquant import GGUFBlockLinear
+
+            layers = [m for m in engine.runner.model.modules() if isinstance(m, GGUFBlockLinear)]
+            assert layers and all(m.f32_blocks is not None for m in layers)
+        got[quantization] = _generate(engine, quantization)
+    assert got["gguf"] == got["none"]

@@ -26,9 +26,10 @@ void f32_gemm(const float* x, const float* wt, const float* bias, float* out, in
 // with silu, out [m, inter] = silu(gate) * up, silu_mul's arithmetic on that output.
 void f32_gemm_pairs(const float* x, const float* wt, const float* bias, float* out, int64_t m, int64_t n, int64_t k,
                     bool silu);
-// The same from a GGUF file's blocks of W in panel order ([np / 64, k / 32, block bytes]; format 0
-// Q4 (Q4_0 / Q4_1), 1 Q8 (Q8_0, Q5_0), 2 Q4 with float32 scales (Q4_K); f32_gemm_avx2.cpp's Format
-// has the layouts), the same output bits as f32_gemm on the float32 weight the loader made of
+// The same from a GGUF file's blocks of W in panel order ([np / 64, k / block k, block bytes];
+// format 0 Q4 (Q4_0 / Q4_1), 1 Q8 (Q8_0, Q5_0), 2 Q4 with float32 scales (Q4_K), 3 Q8 with float32
+// scales per 16 k (Q6_K), 4 Q8 with float32 d and m (Q5_1, Q5_K); f32_gemm_avx2.cpp's Format has
+// the layouts), the same output bits as f32_gemm on the float32 weight the loader made of
 // them. store: 0 the plain output, 1 and 2 a gate_up in pairs as f32_gemm_pairs without and with
 // silu (then np = n).
 void f32_gemm_blocks(const float* x, const uint8_t* blocks, int format, const float* bias, float* out, int64_t m,

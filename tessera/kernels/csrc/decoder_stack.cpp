@@ -26,7 +26,7 @@
 //     gguf_int8_activations.py): tessera_gemv::q4x8(x, qs, d, m) and q8x8(x, qs, d), their columns
 //     past n (padding rows) dropped and their bias added after them, as the modules do;
 //   7 fp32 InvariantLinear with its GGUF blocks (tessera/quant/gguf_f32_blocks.py): packed, then
-//     blocks; format = paired (1) + 2 x (1 + the blocks' format: 0 Q4_0 / Q4_1, 1 Q8_0). Calls of up to
+//     blocks; format = paired (1) + 2 x (1 + linear_f32_blocks' format). Calls of up to
 //     kF32BlocksMaxRows rows take linear_f32_blocks, the others kind 1: the same bits either way;
 // an optional qkv bias per layer, the KV cache pair per layer in `kv`, and the step's rotary
 // tables, slots and attention plan (the tensors tessera/attention/invariant_cpu.py's _kernel_plan
@@ -144,7 +144,6 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
     const int64_t kind = lin_meta[2 * li];
     return kind == 0 || (kind == 4 && (bias.has_value() || x.size(0) > kCodesMaxRows));
   };
-  // Linear j (0 qkv, 1 o, 2 gate_up, 3 down) of layer l.
   // Kind 7 as the float32 kind it is: (kind, format) of the call on x, its format (2 or more)
   // where it reads the blocks, else only the paired bit.
   auto f32_kind = [&](int64_t li, const at::Tensor& x) -> std::pair<int64_t, int64_t> {
@@ -152,6 +151,7 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
     if (kind != 7) return {kind, fmt};
     return {1, x.size(0) <= kF32BlocksMaxRows ? fmt : fmt & 1};
   };
+  // Linear j (0 qkv, 1 o, 2 gate_up, 3 down) of layer l.
   auto linear = [&](int64_t l, int64_t j, const at::Tensor& x, const OptTensor& bias, int64_t n) {
     const int64_t li = 4 * l + j;
     const auto [kind, fmt] = f32_kind(li, x);

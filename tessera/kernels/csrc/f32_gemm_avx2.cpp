@@ -91,16 +91,18 @@ inline void store(__m256 (&acc)[R][V], const float* bias, float* out, int64_t ld
 //   kQ8, 2176 bytes: d float16 [64], then codes int8 [32 k][64 columns]; W = d q;
 //   kQ4F, 1536 bytes: kQ4 with d and m float32 (Q4_K: d = d sc, m = -dmin mn, both exact);
 //   kQ8F16, 16 k a block, 1280 bytes: d float32 [64], then codes int8 [16 k][64] (Q6_K: d = d sc,
-//        exact, and W = fl(d q) rounds once, as the loader's product does).
+//        exact, and W = fl(d q) rounds once, as the loader's product does);
+//   kQ8M, 2560 bytes: d, m float32 [64], then codes int8 [32 k][64]; W = d q + m (Q5_1; Q5_K as
+//        d = d sc, m = -dmin mn: 5-bit codes, d q exact).
 // A block's W is rebuilt in registers with the loader's arithmetic: gguf.quants' numpy computes
 // fl(fl(d q) + m) and d q, where d q is exact (11 + 4 or 8 significant bits; Q4_K's d sc q 21),
 // so fma(q, d, m) and q * d give the float32 weight's bits, and the FMA chain over k is the float32
 // panel's: the same output bits from 0.63 (Q4), 0.75 (Q4F) or 1.06 (Q8) bytes a weight, not 4.
-enum Format { kF32, kQ4, kQ8, kQ4F, kQ8F16 };
+enum Format { kF32, kQ4, kQ8, kQ4F, kQ8F16, kQ8M };
 template <int F>
 constexpr int64_t kBlock = F == kQ8F16 ? 16 : 32;  // k a block
 template <int F>
-constexpr int64_t kScaleBytes = F == kQ4 ? 256 : F == kQ8 ? 128 : F == kQ4F ? 512 : 256;
+constexpr int64_t kScaleBytes = F == kQ4 ? 256 : F == kQ8 ? 128 : F == kQ4F || F == kQ8M ? 512 : 256;
 template <int F>
 constexpr int64_t kBlockBytes = kScaleBytes<F> + kBlock<F> * (F == kQ4 || F == kQ4F ? 32 : 64);
 
@@ -122,9 +124,10 @@ constexpr int64_t panel_bytes(int64_t k) {
 template <int R, int V, int F, bool Top>
 inline void block_sums(const float* x, int64_t ldx, int64_t k0, const uint8_t* blk, int v0, __m256 (&acc)[R][V]) {
   constexpr bool kNibbles = F == kQ4 || F == kQ4F;
+  constexpr bool kHasM = kNibbles || F == kQ8M;
   // vector v's d (and m: a row of 64 further on), as float32
   auto scale = [&](int v, int row) {
-    if constexpr (F == kQ4F || F == kQ8F16) return _mm256_loadu_ps(reinterpret_cast<const float*>(blk) + 64 * row + 8 * (v0 + v));
+    if constexpr (F == kQ4F || F == kQ8F16 || F == kQ8M) return _mm256_loadu_ps(reinterpret_cast<const float*>(blk) + 64 * row + 8 * (v0 + v));
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk) + 8 * row + v0 + v));
   };
   alignas(32) float d[V][8], m[V][8];
@@ -138,8 +141,8 @@ inline void block_sums(const float* x, int64_t ldx, int64_t k0, const uint8_t* b
         dv = _mm256_mul_ps(dv, _mm256_set1_ps(1.0f / static_cast<float>(1 << (4 * place))));
         _mm256_store_si256(reinterpret_cast<__m256i*>(mask[v]), _mm256_set1_epi32(0xF << (4 * place)));
       }
-      _mm256_store_ps(m[v], scale(v, 1));
     }
+    if constexpr (kHasM) _mm256_store_ps(m[v], scale(v, 1));
     _mm256_store_ps(d[v], dv);
   }
 #pragma GCC unroll 4
@@ -158,7 +161,12 @@ inline void block_sums(const float* x, int64_t ldx, int64_t k0, const uint8_t* b
         w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_load_ps(d[v]), _mm256_load_ps(m[v]));
       } else {
         const auto* codes = reinterpret_cast<const __m128i*>(blk + kScaleBytes<F> + 64 * j + 8 * (v0 + v));
-        w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(codes))), _mm256_load_ps(d[v]));
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(codes)));
+        if constexpr (kHasM) {
+          w = _mm256_fmadd_ps(q, _mm256_load_ps(d[v]), _mm256_load_ps(m[v]));
+        } else {
+          w = _mm256_mul_ps(q, _mm256_load_ps(d[v]));
+        }
       }
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) acc[r][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * ldx + k0 + j), w, acc[r][v]);
@@ -383,6 +391,7 @@ void f32_gemm_blocks(const float* x, const uint8_t* blocks, int format, const fl
   if (format == 1) run(std::integral_constant<int, kQ8>());
   if (format == 2) run(std::integral_constant<int, kQ4F>());
   if (format == 3) run(std::integral_constant<int, kQ8F16>());
+  if (format == 4) run(std::integral_constant<int, kQ8M>());
 }
 
 }  // namespace tessera_avx2

@@ -593,18 +593,19 @@ at::Tensor linear_f32_pairs(const at::Tensor& x, const at::Tensor& wt, const c10
 }
 
 // x [.., k] times a GGUF file's blocks of W in panel order (uint8 [np / 64, k / 32, block bytes],
-// tessera/quant/gguf_f32_blocks.py), format 0 Q4_0 / Q4_1, 1 Q8_0 / Q5_0, 2 Q4_K, 3 Q6_K (16 k a block);
-// store 0 plain, 1 and 2 a gate_up in pairs (as linear_f32_pairs with silu false and true). AVX2
-// tiles only: linear_f32's (and linear_f32_pairs') bits on the float32 weight the loader made of
-// those blocks.
+// tessera/quant/gguf_f32_blocks.py), format 0 Q4_0 / Q4_1, 1 Q8_0 / Q5_0, 2 Q4_K, 3 Q6_K (16 k a
+// block), 4 Q5_1 / Q5_K; store 0 plain, 1 and 2 a gate_up in pairs (as linear_f32_pairs with silu
+// false and true). AVX2 tiles only: linear_f32's (and linear_f32_pairs') bits on the float32
+// weight the loader made of those blocks.
 at::Tensor linear_f32_blocks(const at::Tensor& x, const at::Tensor& blocks, const c10::optional<at::Tensor>& bias,
                              int64_t n, int64_t format, int64_t store) {
   TORCH_CHECK(avx2_tiles(), "linear_f32_blocks: the AVX2 tiles' kernel (CPUs without AVX-512)");
-  TORCH_CHECK(format >= 0 && format <= 3, "linear_f32_blocks: format 0 (Q4_0 / Q4_1), 1 (Q8_0, Q5_0), 2 (Q4_K) or 3 (Q6_K)");
+  TORCH_CHECK(format >= 0 && format <= 4,
+              "linear_f32_blocks: format 0 (Q4_0 / Q4_1), 1 (Q8_0, Q5_0), 2 (Q4_K), 3 (Q6_K) or 4 (Q5_1, Q5_K)");
   TORCH_CHECK(store >= 0 && store <= 2, "linear_f32_blocks: store 0, 1 or 2");
   const int64_t block_k = format == 3 ? 16 : 32;
-  const int64_t bytes = format == 0 ? 256 + 32 * 32 : format == 1 ? 128 + 32 * 64 : format == 2 ? 512 + 32 * 32
-                                                                                                  : 256 + 16 * 64;
+  constexpr int64_t kBytes[] = {256 + 32 * 32, 128 + 32 * 64, 512 + 32 * 32, 256 + 16 * 64, 512 + 32 * 64};
+  const int64_t bytes = kBytes[format];
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 3 && blocks.size(2) == bytes &&
                   blocks.is_contiguous() && blocks.size(0) * 64 >= n && (store == 0 || blocks.size(0) * 64 == n),
               "linear_f32_blocks: blocks must be contiguous uint8 [np / 64, k / ", block_k, ", ", bytes, "] covering ", n,
