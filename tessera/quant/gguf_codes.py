@@ -54,7 +54,7 @@ def attach_gguf_codes(model, files) -> int:
     from tessera.kernels.linear import InvariantLinear
     from tessera.model.gguf_loader import GGUFModelFiles
     from tessera.quant import invariant
-    from tessera.quant.gguf_native import decode_q8_0, raw_rows
+    from tessera.quant.gguf_native import decode_q8_0, slot_block_rows
     from tessera.quant.gguf_tiles import KIND, KQTiles
 
     if not isinstance(files, GGUFModelFiles) or not enabled():
@@ -64,20 +64,14 @@ def attach_gguf_codes(model, files) -> int:
         w = getattr(slot.owner, slot.attr)
         if type(w) is not InvariantLinear or w.dtype != torch.bfloat16 or not slot.parts:
             continue
-        tensors = [files.source_tensor(n) for n in slot.parts]
-        qtypes = {t.tensor_type for t in tensors}
-        if len(qtypes) != 1:
+        if (found_rows := slot_block_rows(files, slot.parts, (*TYPES, Q.Q8_0))) is None:
             continue
-        qtype = qtypes.pop()
-        raw = []
-        for name, t in zip(slot.parts, tensors, strict=True):
-            rows = raw_rows(t)  # a row's blocks are its own, so the loader's row order applies to them
-            raw.append(transform(rows) if (transform := files.row_transform(name)) is not None else rows)
+        qtype, raw = found_rows
         if slot.attr == "lm_head" and qtype == Q.Q8_0:  # not in the decoder stack: called on its own
-            codes, d = decode_q8_0(torch.cat(raw).numpy(), w.out_features)
+            codes, d = decode_q8_0(raw.numpy(), w.out_features)
             lm_head = (w, invariant.pack_tiles(codes), invariant.pack_blocks(d.to(torch.float16)))
         elif slot.attr != "lm_head" and qtype in TYPES:
-            found.append((w, KQTiles.pack(torch.cat(raw), qtype), KIND[qtype]))
+            found.append((w, KQTiles.pack(raw, qtype), KIND[qtype]))
     # One huge-page buffer in call order, as the bf16 weights' (tessera.memory.Arena): a decode
     # streams it from layer to layer. Separate allocations ran the 120 linears no faster than bf16.
     parts = [t for _, tiles, _ in found for t in (tiles.codes, tiles.sup)] + list(lm_head[1:] if lm_head else [])

@@ -198,11 +198,11 @@ def blocks_of(raw: torch.Tensor, qtype, rows: int, pairs: bool) -> torch.Tensor:
 
 @torch.no_grad()
 def attach_f32_blocks(model, files) -> int:
-    """Give each float32 InvariantLinear whose GGUF parts are all one of Q4_0, Q4_1, Q8_0 its
-    blocks in panel order; returns how many. Not a GGUF file, or not enabled here: 0."""
+    """Give each float32 InvariantLinear whose GGUF parts all have one FORMAT type its blocks in
+    panel order; returns how many. Not a GGUF file, or not enabled here: 0."""
     from tessera.kernels.linear import InvariantLinear
     from tessera.model.gguf_loader import GGUFModelFiles
-    from tessera.quant.gguf_native import raw_rows
+    from tessera.quant.gguf_native import slot_block_rows
 
     if not isinstance(files, GGUFModelFiles) or not enabled():
         return 0
@@ -211,15 +211,9 @@ def attach_f32_blocks(model, files) -> int:
         w = getattr(slot.owner, slot.attr)
         if type(w) is not InvariantLinear or w.dtype != torch.float32 or not slot.parts:
             continue
-        tensors = [files.source_tensor(n) for n in slot.parts]
-        qtypes = {t.tensor_type for t in tensors}
-        if len(qtypes) != 1 or (qtype := qtypes.pop()) not in FORMAT:
+        if (found_rows := slot_block_rows(files, slot.parts, FORMAT)) is None:
             continue
-        raw = []
-        for name, t in zip(slot.parts, tensors, strict=True):
-            rows = raw_rows(t)  # a row's blocks are its own, so the loader's row order applies to them
-            raw.append(transform(rows) if (transform := files.row_transform(name)) is not None else rows)
-        raw = torch.cat(raw)
+        qtype, raw = found_rows
         if raw.shape[0] != w.out_features:
             continue
         try:

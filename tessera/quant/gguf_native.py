@@ -162,6 +162,21 @@ def raw_rows(tensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(tensor.data).view(np.uint8).reshape(rows, -1).copy())
 
 
+def slot_block_rows(files, parts: list[str], types) -> tuple[Q, torch.Tensor] | None:
+    """A weight slot's GGUF tensors (its HF parts, in order) as (their one block type, their block
+    bytes uint8 [rows, bytes per row] in the loader's row order), or None where the parts' types
+    differ or their type is not one of `types`."""
+    tensors = [files.source_tensor(n) for n in parts]
+    qtypes = {t.tensor_type for t in tensors}
+    if len(qtypes) != 1 or (qtype := qtypes.pop()) not in types:
+        return None
+    raw = []
+    for name, t in zip(parts, tensors, strict=True):
+        rows = raw_rows(t)  # a row's blocks are its own, so the loader's row order applies to them
+        raw.append(transform(rows) if (transform := files.row_transform(name)) is not None else rows)
+    return qtype, torch.cat(raw)
+
+
 def _decode(tensor) -> tuple | None:
     """A GGUF tensor as ("int4", codes, scale, zero), ("q8_0", codes, d), ("q4_blocks", qs, d, m),
     ("q8_blocks", codes, d) or (type name, raw block bytes uint8 [rows, bytes per row]); None if

@@ -14,13 +14,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from tessera import SamplingParams, kernels
+from tessera import kernels
 from tessera.config import EngineConfig
 from tessera.engine.engine import LLMEngine
 from tessera.kernels.linear import InvariantLinear, _on_avx2_tiles
 from tessera.quant import gguf_f32_blocks
 from tessera.quant.gguf_f32_blocks import BLOCKS_MAX_ROWS, FORMAT
 from tests.tiny_model import write_gguf_from_hf_dir
+from tests.unit.test_gguf_codes import _generate
 from tests.unit.test_gguf_kquant import random_blocks
 
 needs_avx2_tiles = pytest.mark.skipif(not (kernels.available() and _on_avx2_tiles()),
@@ -156,21 +157,6 @@ def test_gguf_mode_block_layers_compute_from_the_blocks_at_every_size(qtype):
         assert torch.equal(layer(x), plain(x)), f"{m} rows"
         bound = 512 * 2**-23 * (x.double().abs() @ w.double().abs().t())  # two float32 sums' rounding
         assert ((layer(x, kernel="dequant").double() - plain(x).double()).abs() <= bound).all()
-
-
-PROMPTS = [list(range(5, 45)), list(range(7, 12)), [3] * 60 + list(range(20, 50))]
-GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
-
-
-def _generate(engine: LLMEngine, tag: str) -> dict:
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(f"{tag}{i}", prompt, GREEDY)
-    out = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                out[o.request_id.removeprefix(tag)] = (o.outputs[0].token_ids, o.outputs[0].logprobs)
-    return out
 
 
 def _blocked(model) -> list[InvariantLinear]:
