@@ -222,7 +222,8 @@ def attach_f32_blocks(model, files) -> int:
             logger.debug("%s keeps its float32 weight: %s", slot.attr, e)
             continue
         # The loader's weight must be the blocks' (a family whose loader changes a weight after
-        # dequantizing it would not be): its first panel is checked bit for bit.
+        # dequantizing it would not be): its first panel is checked value for value (bit for bit
+        # but for the sign of Q4_0's zeros, see the module docstring).
         if not torch.equal(panel_weight(blocks, FORMAT[qtype], 0), w.packed[0]):
             logger.warning("%s: the float32 weight is not its GGUF blocks' dequantization; it keeps its float32 "
                            "weight for every call", ", ".join(slot.parts))

@@ -2,7 +2,9 @@
 gguf_f32_blocks.py): the blocks kernel gives the float32 kernel's output on the loader's weight
 (gguf.quants' dequantization) bit for bit at every row count and store, small calls read the blocks
 and large ones the float32 weight, and an engine with the blocks gives the same tokens and logprobs
-as one without, through the native stack and the module path."""
+as one without, through the native stack and the module path. --quantization gguf's K-quant and Q5
+layers keep only the blocks and compute from them at every size: a Q5_1 file's gguf-mode engine
+gives the float32 engine's tokens and logprobs."""
 
 from __future__ import annotations
 
