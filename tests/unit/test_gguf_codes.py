@@ -97,6 +97,20 @@ def _generate(engine: LLMEngine, tag: str) -> dict:
     return out
 
 
+def _generate_by_mode(path, dtype: str, check_gguf) -> dict:
+    """_generate's outputs of an engine on the GGUF file `path` under --quantization none and then
+    gguf (prefix caching off; a 32-token budget puts prefill chunks beside decodes);
+    check_gguf(model) runs on the gguf engine's model before it generates."""
+    outs = {}
+    for mode in ("none", "gguf"):
+        engine = LLMEngine(EngineConfig(model=str(path), dtype=dtype, quantization=mode, max_model_len=256,
+                                        max_num_batched_tokens=32, enable_prefix_caching=False))
+        if mode == "gguf":
+            check_gguf(engine.runner.model)
+        outs[mode] = _generate(engine, mode)
+    return outs
+
+
 def _coded(model) -> list[InvariantLinear]:
     return [m for m in model.modules()
             if isinstance(m, InvariantLinear) and (m.codes is not None or m.q8_codes is not None)]
@@ -155,12 +169,10 @@ def test_gguf_mode_gives_the_bf16_engines_tokens(tiny_model_factory, tmp_path, q
 
     path = write_gguf_from_hf_dir(tiny_model_factory(tie_word_embeddings=True), tmp_path / "t.gguf", qtype=qtype,
                                   qtypes={"model.embed_tokens.weight": Q.Q8_0})
-    outs = {}
-    for mode in ("none", "gguf"):
-        engine = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", quantization=mode, max_model_len=256,
-                                        max_num_batched_tokens=32, enable_prefix_caching=False))
-        if mode == "gguf":
-            layers = [m for m in engine.runner.model.modules() if isinstance(m, GGUFBlockLinear)]
-            assert len(layers) == 4 * engine.runner.model.config.num_layers
-        outs[mode] = _generate(engine, mode)
+
+    def check(model) -> None:
+        layers = [m for m in model.modules() if isinstance(m, GGUFBlockLinear)]
+        assert len(layers) == 4 * model.config.num_layers
+
+    outs = _generate_by_mode(path, "bfloat16", check)
     assert outs["gguf"] == outs["none"]

@@ -23,7 +23,7 @@ from tessera.kernels.linear import InvariantLinear, _on_avx2_tiles
 from tessera.quant import gguf_f32_blocks
 from tessera.quant.gguf_f32_blocks import BLOCKS_MAX_ROWS, FORMAT
 from tests.tiny_model import write_gguf_from_hf_dir
-from tests.unit.test_gguf_codes import _generate
+from tests.unit.test_gguf_codes import _generate, _generate_by_mode
 from tests.unit.test_gguf_kquant import random_blocks
 
 needs_avx2_tiles = pytest.mark.skipif(not (kernels.available() and _on_avx2_tiles()),
@@ -238,16 +238,13 @@ def test_gguf_mode_on_q5_1_blocks_equals_the_float32_engine(tiny_model_factory, 
     (GGUFBlockLinear, the embedding rows from them too) and the float32 engine dequantizes them at
     load; both compute from the same blocks with the float32 weights' bits, so their tokens and
     logprobs are equal, prefill chunks included."""
-    model_dir = tiny_model_factory(tie_word_embeddings=False)
-    path = write_gguf_from_hf_dir(model_dir, tmp_path / "t.gguf", qtype=Q.Q5_1)
-    got = {}
-    for quantization in ("none", "gguf"):
-        engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", quantization=quantization, max_model_len=256,
-                                        max_num_batched_tokens=32, enable_prefix_caching=False))
-        if quantization == "gguf":
-            from tessera.quant.gguf_kquant import GGUFBlockLinear
+    from tessera.quant.gguf_kquant import GGUFBlockLinear
 
-            layers = [m for m in engine.runner.model.modules() if isinstance(m, GGUFBlockLinear)]
-            assert layers and all(m.f32_blocks is not None for m in layers)
-        got[quantization] = _generate(engine, quantization)
+    path = write_gguf_from_hf_dir(tiny_model_factory(tie_word_embeddings=False), tmp_path / "t.gguf", qtype=Q.Q5_1)
+
+    def check(model) -> None:
+        layers = [m for m in model.modules() if isinstance(m, GGUFBlockLinear)]
+        assert layers and all(m.f32_blocks is not None for m in layers)
+
+    got = _generate_by_mode(path, "float32", check)
     assert got["gguf"] == got["none"]
