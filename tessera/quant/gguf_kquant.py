@@ -156,7 +156,7 @@ class GGUFBlockLinear(QuantLinear):
             for name in ("codes", "planes", "sup", "sub"):
                 self.register_buffer(f"tile_{name}", getattr(tiles, name))
         # On the AVX2 tiles (Zen 3) the weight is kept as its blocks in panel order instead of the
-        # file's bytes (gguf_f32_blocks.py: 1.06-1.33x their size), and float32 calls of every size
+        # file's bytes (gguf_f32_blocks.py: 1.3-1.8x their size), and float32 calls of every size
         # compute from them: the float32 weight's output bits, the file's dequantization rebuilt in
         # registers. Decoding row tiles per call took ~280 ms a Gemma 3 270M token.
         blocks = None
