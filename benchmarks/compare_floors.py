@@ -58,10 +58,10 @@ def gguf_weight_bytes(path: str) -> int:
 
 def bf16_codes_saving(path: str) -> int:
     """Bytes a Tessera bf16 decode step does not read on this machine because it computes its layer
-    weights from the GGUF file's blocks (tessera/quant/gguf_codes.py: Q4_0/Q4_1/Q5_0/Q5_1 tensors, AMX
-    CPUs, unless TESSERA_GGUF_CODES=0), and its lm_head from Q8_0 blocks (output.weight, or
-    token_embd.weight when tied): per such tensor its bf16 bytes less its file bytes. 0 where the
-    engine reads bf16 (another file type, no AMX), so its floor is the bytes it reads."""
+    weights from the GGUF file's blocks (tessera/quant/gguf_codes.py: Q4_0/Q4_1/Q5_0/Q5_1 tensors,
+    AVX-512 BF16 CPUs, unless TESSERA_GGUF_CODES=0), and its lm_head from Q8_0 blocks (output.weight,
+    or token_embd.weight when tied): per such tensor its bf16 bytes less its file bytes. 0 where the
+    engine reads bf16 (another file type, no AVX-512 BF16), so its floor is the bytes it reads."""
     from gguf import GGMLQuantizationType as Q
     from gguf import GGUFReader
 

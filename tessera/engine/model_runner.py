@@ -31,7 +31,7 @@ def prepare_step_kernels(model: torch.nn.Module, config, dtype: torch.dtype, fil
     with --deterministic (the fixed-order FMA kernel is slower than MKL's prefill GEMM there;
     docs/reproducibility.md has the measured cost). Returns how many weights
     were swapped. `files` (the model's ModelFiles): a GGUF model also keeps its blocks for decode
-    sizes, in bf16 on AMX (tessera/quant/gguf_codes.py), in float32 on the AVX2 tiles
+    sizes, in bf16 on AVX-512 BF16 CPUs (tessera/quant/gguf_codes.py), in float32 on the AVX2 tiles
     (tessera/quant/gguf_f32_blocks.py)."""
     from tessera.kernels.linear import invariant_by_default, make_linears_invariant, supported
 

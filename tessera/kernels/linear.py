@@ -20,7 +20,6 @@ from torch import nn
 
 from tessera import kernels, memory
 from tessera.quant import invariant
-from tessera.quant.gguf_codes import CODES_MAX_ROWS
 from tessera.quant.gguf_f32_blocks import BLOCKS_MAX_ROWS
 
 logger = logging.getLogger("tessera")
@@ -121,25 +120,26 @@ class InvariantLinear(nn.Module):
         self.codes = None
         self.codes_kind = -1
         self.q8_codes: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.codes_max_rows = 0  # calls of up to this many rows read the codes
         # a float32 weight's GGUF blocks in panel order (gguf_f32_blocks.py)
         self.f32_blocks: torch.Tensor | None = None
         self.f32_blocks_format = -1
 
-    def attach_codes(self, tiles, kind: int) -> None:
+    def attach_codes(self, tiles, kind: int, max_rows: int) -> None:
         """tiles: a gguf_tiles.KQTiles whose W, rounded to bf16, is this layer's weight; calls of
-        up to gguf_codes.CODES_MAX_ROWS rows then compute from it (the same bits, fewer bytes)."""
+        up to max_rows rows (gguf_codes.max_rows()) then compute from it (the same bits, fewer bytes)."""
         if self.dtype != torch.bfloat16 or tiles.sub is not None:
             raise ValueError("GGUF codes serve bf16 weights of the KQ kinds without sub-block scales")
-        self.codes, self.codes_kind = tiles, kind
+        self.codes, self.codes_kind, self.codes_max_rows = tiles, kind, max_rows
 
-    def attach_q8_0(self, tiles: torch.Tensor, d: torch.Tensor) -> None:
+    def attach_q8_0(self, tiles: torch.Tensor, d: torch.Tensor, max_rows: int) -> None:
         """A GGUF Q8_0 weight in the quantized kernel's tile order (quant.invariant.pack_tiles of
         the codes, pack_blocks of the float16 d) whose W = bf16(d q) is this layer's weight: calls
-        of up to gguf_codes.CODES_MAX_ROWS rows read 1.06 bytes a weight instead of 2, same bits.
-        The tied lm_head of a GGUF file (the default model's: 28.7 MiB instead of 54)."""
+        of up to max_rows rows read 1.06 bytes a weight instead of 2, same bits. The tied lm_head
+        of a GGUF file (the default model's: 28.7 MiB instead of 54)."""
         if self.dtype != torch.bfloat16:
             raise ValueError("GGUF codes serve bf16 weights")
-        self.q8_codes = (tiles, d)
+        self.q8_codes, self.codes_max_rows = (tiles, d), max_rows
 
     def attach_f32_blocks(self, blocks: torch.Tensor, fmt: int) -> None:
         """blocks: gguf_f32_blocks.blocks_of the GGUF blocks this float32 weight was dequantized
@@ -154,7 +154,7 @@ class InvariantLinear(nn.Module):
 
     def _from_codes(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
         return ((self.codes is not None or self.q8_codes is not None) and bias is None and x.dim() == 2
-                and x.shape[0] <= CODES_MAX_ROWS)
+                and x.shape[0] <= self.codes_max_rows)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self._from_codes(x, bias):

@@ -102,7 +102,7 @@ def _linear_spec(w) -> tuple[int, int, list[torch.Tensor | None]]:
     kind = type(w)
     if kind is InvariantLinear:
         if w.codes is not None:  # decode sizes from the GGUF blocks (tessera/quant/gguf_codes.py)
-            return 4, w.codes_kind, [w.packed, w.codes.codes, w.codes.planes, w.codes.sup]
+            return 4, w.codes_kind + 256 * w.codes_max_rows, [w.packed, w.codes.codes, w.codes.planes, w.codes.sup]
         if w.dtype == torch.bfloat16:
             return 0, 0, [w.packed]
         if w.f32_blocks is not None:  # decode sizes from the GGUF blocks (tessera/quant/gguf_f32_blocks.py)

@@ -7,14 +7,18 @@ csrc/invariant_qgemm.cpp `kqgemm`) computes with the blocks and rounds W to bf16
 the same B tiles as the bf16 kernel, the same tile products in the same order, so the same output
 bits (tests/unit/test_gguf_codes.py checks it row count by row count), with the dequantization
 in place of two thirds of the weight reads. That pays only where the reads are the step's bound:
-up to CODES_MAX_ROWS rows (decodes; the tiles' dequantization is done once per call and shared by
-its rows only up to there). Larger calls (prefill chunks) keep the bf16 weight, so both stay in
+up to max_rows() rows (decodes; the tiles' dequantization is done once per call and shared by its
+rows only up to there). Larger calls (prefill chunks) keep the bf16 weight, so both stay in
 memory (+66 MB for the default model).
 
-Where: AMX CPUs (both kernels on the tile unit; the AVX-512 BF16 fallbacks order their sums
-differently), bf16 weights, slots whose parts are all one of Q4_0, Q4_1, Q5_0, Q5_1 (the KQ kinds
-without sub-block scales), calls without a bias (a bias is added before the bf16 kernel's rounding
-and after kqgemm's). `TESSERA_GGUF_CODES=0` turns it off, for A/B runs (docs/kernels.md, session 27).
+Where: CPUs with AVX-512 BF16, AMX or not (both kernels take the machine's one arithmetic: AMX
+tiles, or without AMX one VDPBF16PS chain per output over the k pairs in order), bf16 weights, slots
+whose parts are all one of Q4_0, Q4_1, Q5_0, Q5_1 (the KQ kinds without sub-block scales), calls
+without a bias (a bias is added before the bf16 kernel's rounding and after kqgemm's), of up to
+max_rows() rows: 32 on AMX, 4 without (the AVX-512 path dequantizes per call and row tile, so it is
+compute-bound: the default model's 121 linears at 1 / 2 / 4 / 8 rows 7.4 / 7.7 / 9.3 / 13.8 ms from
+the blocks against 10.0 / 10.5 / 10.7 / 13.3 from bf16, AMD EPYC Zen 4; docs/kernels.md, session
+39). `TESSERA_GGUF_CODES=0` turns it off, for A/B runs (docs/kernels.md, session 27).
 
 A Q8_0 lm_head (the default model's tied token_embd) reads its blocks the same way (qgemm's Q8_0
 tiles, W = bf16(d q) the bf16 weight exactly): 28.7 MiB a step instead of 54, with the logits in
@@ -33,18 +37,28 @@ from tessera import memory
 
 logger = logging.getLogger("tessera")
 
-# Row counts up to this take the blocks (column_pair_small in csrc/invariant_qgemm.cpp handles 32
-# rows; above it the whole-K path loses to the bf16 weight: 120 linears at 48 rows 29 ms against
-# 25, at 32 13.5 against 17.6, Intel Xeon model 167). decoder_stack.cpp has the same constant.
-CODES_MAX_ROWS = 32
+# Row counts up to these take the blocks. AMX: column_pair_small in csrc/invariant_qgemm.cpp handles
+# 32 rows; above it the whole-K path loses to the bf16 weight (120 linears at 48 rows 29 ms against
+# 25, at 32 13.5 against 17.6, Intel Xeon model 167). AVX-512 BF16 without AMX: small_rows handles 4
+# (kSmallRows); at 8 the blocks lose (13.8 against 13.3 ms, AMD EPYC Zen 4).
+CODES_MAX_ROWS_AMX = 32
+CODES_MAX_ROWS_AVX512 = 4
 TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)
 
 
 def enabled() -> bool:
-    """Whether a bf16 engine here reads the blocks: AMX, the quantized kernels built, not turned off."""
+    """Whether a bf16 engine here reads the blocks: AVX-512 BF16 (AMX or not) with the quantized
+    kernels built, not turned off."""
     from tessera.quant import invariant
 
-    return os.environ.get("TESSERA_GGUF_CODES", "1") != "0" and invariant.available() and invariant.cpu_has_amx()
+    return os.environ.get("TESSERA_GGUF_CODES", "1") != "0" and invariant.available()
+
+
+def max_rows() -> int:
+    """The largest call (rows) that reads the blocks on this CPU."""
+    from tessera.quant import invariant
+
+    return CODES_MAX_ROWS_AMX if invariant.cpu_has_amx() else CODES_MAX_ROWS_AVX512
 
 
 @torch.no_grad()
@@ -76,13 +90,14 @@ def attach_gguf_codes(model, files) -> int:
     # streams it from layer to layer. Separate allocations ran the 120 linears no faster than bf16.
     parts = [t for _, tiles, _ in found for t in (tiles.codes, tiles.sup)] + list(lm_head[1:] if lm_head else [])
     copies = iter(memory.copies_in_order(parts, huge=True))
+    rows = max_rows()
     for w, tiles, kind in found:
         tiles.codes, tiles.sup = next(copies), next(copies)
-        w.attach_codes(tiles, kind)
+        w.attach_codes(tiles, kind, rows)
     nbytes = sum(tiles.nbytes() for _, tiles, _ in found)
     if lm_head:
         w, tiles, d = lm_head
-        w.attach_q8_0(next(copies), next(copies))
+        w.attach_q8_0(next(copies), next(copies), rows)
         nbytes += tiles.numel() * tiles.element_size() + d.numel() * d.element_size()
     count = len(found) + (lm_head is not None)
     if count:

@@ -23,9 +23,11 @@ from tessera.quant.gguf_tiles import KIND, KQTiles
 from tests.tiny_model import write_gguf_from_hf_dir
 from tests.unit.test_gguf_kquant import random_blocks
 
-needs_amx = pytest.mark.skipif(
-    not (kernels.available() and invariant.available() and invariant.cpu_has_amx()),
-    reason="the codes path runs where both kernels are on AMX tiles")
+needs_codes = pytest.mark.skipif(
+    not (kernels.available() and invariant.available()),
+    reason="the codes path runs on AVX-512 BF16 CPUs (AMX or not), where both kernels take one arithmetic")
+needs_amx = pytest.mark.skipif(not (kernels.available() and invariant.available() and invariant.cpu_has_amx()),
+                               reason="gguf mode computes Q4_0/Q4_1 from the KQ blocks on AMX only")
 
 
 @pytest.mark.parametrize("qtype", gguf_codes.TYPES)
@@ -40,15 +42,17 @@ def test_tiles_hold_the_files_weight_bit_for_bit(qtype):
     assert tiles.nbytes() == 96 * (256 // block) * nbytes
 
 
-@needs_amx
+@needs_codes
 @pytest.mark.parametrize("qtype", gguf_codes.TYPES)
 def test_codes_give_the_bf16_kernels_bits_at_every_row_count(qtype):
     raw = random_blocks(qtype, 96, 512, seed=12)
     w = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
     plain, coded = InvariantLinear(w.bfloat16()), InvariantLinear(w.bfloat16())
-    coded.attach_codes(KQTiles.pack(torch.from_numpy(raw.copy()), qtype), KIND[qtype])
+    # every call from the blocks: the kernel's decode and whole-K paths on AMX (up to 32 rows and
+    # above) and without (up to 4 and above)
+    coded.attach_codes(KQTiles.pack(torch.from_numpy(raw.copy()), qtype), KIND[qtype], 100)
     gen = torch.Generator().manual_seed(13)
-    for m in (1, 3, 16, 17, 32, 33, 100):
+    for m in (1, 2, 3, 4, 5, 16, 17, 32, 33, 100):
         x = torch.randn(m, 512, generator=gen).bfloat16()
         want = plain(x)
         assert torch.equal(coded(x), want), f"{m} rows"
@@ -60,16 +64,17 @@ def test_codes_give_the_bf16_kernels_bits_at_every_row_count(qtype):
     assert torch.equal(coded(x, bias), plain(x, bias))  # a bias takes the bf16 weight
 
 
-@needs_amx
+@needs_codes
 def test_the_codes_are_what_small_calls_read():
-    """Codes of another weight change the output of calls up to CODES_MAX_ROWS rows and of no larger
-    one: the bit-for-bit test above is not passing because the codes go unused."""
+    """Codes of another weight change the output of calls up to the CPU's row limit and of no larger
+    one: the engine tests below are not passing because the codes go unused."""
     raw, other = random_blocks(Q.Q4_1, 64, 256, seed=14), random_blocks(Q.Q4_1, 64, 256, seed=15)
     layer = InvariantLinear(torch.from_numpy(gguf.quants.dequantize(raw, Q.Q4_1)).bfloat16())
-    small = torch.randn(gguf_codes.CODES_MAX_ROWS, 256).bfloat16()
-    large = torch.randn(gguf_codes.CODES_MAX_ROWS + 1, 256).bfloat16()
+    rows = gguf_codes.max_rows()
+    assert rows == (gguf_codes.CODES_MAX_ROWS_AMX if invariant.cpu_has_amx() else gguf_codes.CODES_MAX_ROWS_AVX512)
+    small, large = torch.randn(rows, 256).bfloat16(), torch.randn(rows + 1, 256).bfloat16()
     before = layer(small), layer(large)
-    layer.attach_codes(KQTiles.pack(torch.from_numpy(other.copy()), Q.Q4_1), KIND[Q.Q4_1])
+    layer.attach_codes(KQTiles.pack(torch.from_numpy(other.copy()), Q.Q4_1), KIND[Q.Q4_1], rows)
     assert not torch.equal(layer(small), before[0])
     assert torch.equal(layer(large), before[1])
 
@@ -79,7 +84,7 @@ def test_codes_serve_bf16_weights_only():
         pytest.skip("needs the float32 InvariantLinear's kernels")
     layer = InvariantLinear(torch.randn(32, 64))
     with pytest.raises(ValueError, match="bf16 weights"):
-        layer.attach_codes(KQTiles.pack(torch.from_numpy(random_blocks(Q.Q4_0, 32, 64)), Q.Q4_0), KIND[Q.Q4_0])
+        layer.attach_codes(KQTiles.pack(torch.from_numpy(random_blocks(Q.Q4_0, 32, 64)), Q.Q4_0), KIND[Q.Q4_0], 4)
 
 
 PROMPTS = [list(range(5, 45)), list(range(7, 12)), [3] * 60 + list(range(20, 50))]
@@ -116,16 +121,17 @@ def _coded(model) -> list[InvariantLinear]:
             if isinstance(m, InvariantLinear) and (m.codes is not None or m.q8_codes is not None)]
 
 
-@needs_amx
+@needs_codes
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_0])
 @pytest.mark.parametrize("eager", [False, True])
 @pytest.mark.parametrize("lm_head", [None, "tied", "own"], ids=["lm_head-q4", "tied-q8_0", "own-q8_0"])
 def test_engine_with_codes_equals_engine_without(tiny_model_factory, tmp_path, caplog, qtype, eager, lm_head):
     """One engine, the same requests with the codes and then without them (the same engine, so
     nothing but the linears' weights source differs; prefix caching off, so both compute every
-    token). A small token budget puts prefill chunks (bf16 weights above 32 rows) next to decodes.
-    With a Q8_0 lm_head, tied to the embedding (the default model's file) or its own, it reads its
-    blocks too, and greedy ids come from its store epilogue (a vocabulary of 267: padded tiles)."""
+    token). A small token budget puts prefill chunks (bf16 weights above the row limit) next to
+    decodes. With a Q8_0 lm_head, tied to the embedding (the default model's file) or its own, it
+    reads its blocks too, and on AMX greedy ids come from its store epilogue (a vocabulary of 267:
+    padded tiles)."""
     from tessera.model.native_stack import NativeStack
 
     model_dir = tiny_model_factory(tie_word_embeddings=lm_head == "tied")
@@ -152,7 +158,7 @@ def test_engine_with_codes_equals_engine_without(tiny_model_factory, tmp_path, c
     assert _generate(engine, "b") == got
 
 
-def test_no_codes_without_amx_or_when_turned_off(tiny_model_factory, tmp_path, monkeypatch):
+def test_no_codes_when_turned_off(tiny_model_factory, tmp_path, monkeypatch):
     path = write_gguf_from_hf_dir(tiny_model_factory(), tmp_path / "t.gguf", qtype=Q.Q4_1)
     monkeypatch.setenv("TESSERA_GGUF_CODES", "0")
     engine = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", max_model_len=256))

@@ -18,12 +18,12 @@ from tessera.quant.int4 import Int4Linear
 from tessera.quant.int8 import Int8Linear
 from tests.unit.test_gguf_kquant import random_blocks
 
-pytestmark = pytest.mark.skipif(
-    not (kernels.available() and invariant.available() and invariant.cpu_has_amx()),
-    reason="the logits kernel runs on AMX tiles")
+pytestmark = pytest.mark.skipif(not (kernels.available() and invariant.available()),
+                                reason="the quantized kernels need AVX-512 BF16 (AMX or not)")
 
-# 1-32 rows take the decode loop (a second row tile from 17), more the whole-K one.
-ROWS = [1, 2, 15, 16, 17, 31, 32, 33, 50]
+# On AMX 1-32 rows take the decode loop (a second row tile from 17), more the whole-K one; without
+# AMX (the AVX-512 output widened) 1-4 rows the small-row path, more the whole-K one.
+ROWS = [1, 2, 4, 5, 15, 16, 17, 31, 32, 33, 50]
 
 
 def _q8_0(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -39,7 +39,7 @@ def test_q8_0_logits_and_ids_are_the_bf16_kernels(m):
     n, k = 4128, 128  # n a multiple of 32 (the tiles' pairs), not of the 64 a chunk of work may hold
     w, tiles, d = _q8_0(n, k, seed=m)
     plain, coded = InvariantLinear(w), InvariantLinear(w)
-    coded.attach_q8_0(tiles, d)
+    coded.attach_q8_0(tiles, d, max(ROWS))  # every call from the blocks
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
     logits, ids = coded.forward_float_argmax(x)
     want_logits, want_ids = plain.forward_float_argmax(x)
@@ -50,14 +50,17 @@ def test_q8_0_logits_and_ids_are_the_bf16_kernels(m):
 
 
 def test_the_codes_are_what_small_calls_read():
-    """Another weight's blocks change the logits of calls up to CODES_MAX_ROWS rows and of no larger
-    one: the equality above is not passing because the blocks go unused."""
+    """Another weight's blocks change the logits of calls up to the row limit and of no larger one:
+    the equality above is not passing because the blocks go unused."""
+    from tessera.quant import gguf_codes
+
     w, _, _ = _q8_0(64, 64, seed=1)
     _, tiles, d = _q8_0(64, 64, seed=2)
     lin = InvariantLinear(w)
-    small, large = torch.randn(32, 64).bfloat16(), torch.randn(33, 64).bfloat16()
+    rows = gguf_codes.max_rows()
+    small, large = torch.randn(rows, 64).bfloat16(), torch.randn(rows + 1, 64).bfloat16()
     before = lin.forward_float(small), lin.forward_float(large)
-    lin.attach_q8_0(tiles, d)
+    lin.attach_q8_0(tiles, d, rows)
     assert not torch.equal(lin.forward_float(small), before[0])
     assert torch.equal(lin.forward_float(large), before[1])
 

@@ -20,8 +20,9 @@
 //     sup, sub?, format) -- the quantized modules' batch-invariant kernels; their bias is added
 //     after the product (QuantLinear does `y + bias`), a float linear's inside it;
 //   4 bf16 InvariantLinear with its GGUF blocks (tessera/quant/gguf_codes.py): packed, then codes,
-//     planes, sup; calls of up to kCodesMaxRows rows without a bias take kqgemm(format = the KQ
-//     kind) on the blocks, the others linear_bf16: the same bits either way, fewer bytes at decode;
+//     planes, sup; format = the KQ kind + 256 x its codes_max_rows: calls of up to that many rows
+//     without a bias take kqgemm(the KQ kind) on the blocks, the others linear_bf16: the same bits
+//     either way, fewer bytes at decode;
 //   5, 6 GGUF Q4_0/Q4_1 and Q8_0 blocks on int8 activations (AVX2 only, float32 x; tessera/quant/
 //     gguf_int8_activations.py): tessera_gemv::q4x8(x, qs, d, m) and q8x8(x, qs, d), their columns
 //     past n (padding rows) dropped and their bias added after them, as the modules do;
@@ -43,8 +44,6 @@ namespace {
 
 using OptTensor = std::optional<at::Tensor>;
 
-// As gguf_codes.CODES_MAX_ROWS: the row counts kind 4 reads from the blocks.
-constexpr int64_t kCodesMaxRows = 32;
 // As gguf_f32_blocks.BLOCKS_MAX_ROWS: the row counts kind 7 reads from the blocks.
 constexpr int64_t kF32BlocksMaxRows = 8;
 
@@ -138,23 +137,24 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
               "decoder_stack: hidden must be contiguous [T, ", hidden_size, "]");
   const bool bf16 = hidden.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || hidden.scalar_type() == at::kFloat, "decoder_stack: bf16 or float32 hidden states");
-  // Whether linear li's call on x takes its bf16 packed weight: kind 0, and kind 4 above
-  // kCodesMaxRows rows or with a bias (else its blocks).
+  // Whether linear li's call on x takes its bf16 packed weight: kind 0, and kind 4 above its
+  // codes' row limit or with a bias (else its blocks).
   auto takes_bf16 = [&](int64_t li, const at::Tensor& x, const OptTensor& bias) {
     const int64_t kind = lin_meta[2 * li];
-    return kind == 0 || (kind == 4 && (bias.has_value() || x.size(0) > kCodesMaxRows));
+    return kind == 0 || (kind == 4 && (bias.has_value() || x.size(0) > (lin_meta[2 * li + 1] >> 8)));
   };
-  // Kind 7 as the float32 kind it is: (kind, format) of the call on x, its format (2 or more)
-  // where it reads the blocks, else only the paired bit.
-  auto f32_kind = [&](int64_t li, const at::Tensor& x) -> std::pair<int64_t, int64_t> {
+  // (kind, format) of linear li's call on x: kind 7 as the float32 kind it is, its format (2 or
+  // more) where it reads the blocks, else only the paired bit; kind 4 with its KQ kind alone.
+  auto call_kind = [&](int64_t li, const at::Tensor& x) -> std::pair<int64_t, int64_t> {
     const int64_t kind = lin_meta[2 * li], fmt = lin_meta[2 * li + 1];
+    if (kind == 4) return {4, fmt & 255};
     if (kind != 7) return {kind, fmt};
     return {1, x.size(0) <= kF32BlocksMaxRows ? fmt : fmt & 1};
   };
   // Linear j (0 qkv, 1 o, 2 gate_up, 3 down) of layer l.
   auto linear = [&](int64_t l, int64_t j, const at::Tensor& x, const OptTensor& bias, int64_t n) {
     const int64_t li = 4 * l + j;
-    const auto [kind, fmt] = f32_kind(li, x);
+    const auto [kind, fmt] = call_kind(li, x);
     if (takes_bf16(li, x, bias)) return bf16_linear.call(x, *lin_tensors.get(4 * li), bias, n, false, -1);
     if (kind == 1 && fmt >= 2) return f32_blocks.call(x, *lin_tensors.get(4 * li + 1), bias, n, (fmt >> 1) - 1, fmt & 1);
     if (kind == 1 && fmt == 1) return f32_pairs.call(x, *lin_tensors.get(4 * li), bias, n, false);
@@ -186,7 +186,7 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
     // [T, 2 * inter] output) where the bf16 weight serves it, where a float32 one is packed in
     // pairs, and where quantized tiles or GGUF blocks do on bf16 x; other float32 linears in turn
     const int64_t gi = 4 * l + 2;
-    const auto [gkind, gfmt] = f32_kind(gi, normed);
+    const auto [gkind, gfmt] = call_kind(gi, normed);
     at::Tensor act;
     if (takes_bf16(gi, normed, none))
       act = bf16_linear_silu.call(normed, *lin_tensors.get(4 * gi), 2 * inter, -1);
@@ -195,7 +195,7 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
     else if (gkind == 1 && gfmt == 1)
       act = f32_pairs.call(normed, *lin_tensors.get(4 * gi), none, 2 * inter, true);
     else if (bf16 && inter % 16 == 0 && gkind >= 2 && gkind <= 4)
-      act = gated_quant_linear(normed, lin_tensors, 4 * gi, gkind, lin_meta[2 * gi + 1], 2 * inter);
+      act = gated_quant_linear(normed, lin_tensors, 4 * gi, gkind, gfmt, 2 * inter);
     else
       act = silu_mul.call(linear(l, 2, normed, none, 2 * inter));
     x = linear(l, 3, act, none, hidden_size);
