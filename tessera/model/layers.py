@@ -288,10 +288,24 @@ class GemmaRMSNorm(nn.Module):
         self.hidden_size = hidden_size
         self.eps = eps
         self.weight = _empty_param(hidden_size, dtype=dtype, device=device)
+        self._scale: torch.Tensor | None = None
+        # what it was made from: the weight tensor, its storage and its version (an in-place change
+        # bumps the version, `.data =` changes the storage, an assignment the tensor)
+        self._scale_of: tuple | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (self.hidden_size,), None, self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return (normed * self.scale()).to(x.dtype)
+
+    def scale(self) -> torch.Tensor:
+        """1 + weight in float32, made again only when the weight changes (loaded or replaced after
+        construction): a Gemma 3 270M decode step runs 108 of these norms, and the cast and add
+        per call were ~5 of its ~21 us."""
+        w = self.weight
+        made = self._scale_of
+        if made is None or made[0] is not w or made[1:] != (w.data_ptr(), w._version):
+            self._scale, self._scale_of = 1.0 + w.float(), (w, w.data_ptr(), w._version)
+        return self._scale
 
 
 class GeGLUMLP(SwiGLUMLP):
