@@ -71,7 +71,6 @@ def test_the_codes_are_what_small_calls_read():
     raw, other = random_blocks(Q.Q4_1, 64, 256, seed=14), random_blocks(Q.Q4_1, 64, 256, seed=15)
     layer = InvariantLinear(torch.from_numpy(gguf.quants.dequantize(raw, Q.Q4_1)).bfloat16())
     rows = gguf_codes.max_rows()
-    assert rows == (gguf_codes.CODES_MAX_ROWS_AMX if invariant.cpu_has_amx() else gguf_codes.CODES_MAX_ROWS_AVX512)
     small, large = torch.randn(rows, 256).bfloat16(), torch.randn(rows + 1, 256).bfloat16()
     before = layer(small), layer(large)
     layer.attach_codes(KQTiles.pack(torch.from_numpy(other.copy()), Q.Q4_1), KIND[Q.Q4_1], rows)
@@ -156,6 +155,39 @@ def test_engine_with_codes_equals_engine_without(tiny_model_factory, tmp_path, c
         model.native_stack = NativeStack.build(model)  # its linears now kind 0 (bf16) again
     assert not _coded(model)
     assert _generate(engine, "b") == got
+
+
+@needs_codes
+def test_the_decoder_stack_reads_the_codes_up_to_the_row_limit(tiny_model_factory, tmp_path):
+    """The native stack's kind-4 linears carry their row limit in their format: with layer 0's o_proj
+    given another weight's blocks, a one-sequence decode step changes (it reads them) and a prefill
+    longer than the limit does not (its first token and logprobs are the bf16 weight's)."""
+    from tessera.model.native_stack import NativeStack
+
+    path = write_gguf_from_hf_dir(tiny_model_factory(), tmp_path / "t.gguf", qtype=Q.Q4_1)
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", max_model_len=256,
+                                    enable_prefix_caching=False))
+    model = engine.runner.model
+    assert model.native_stack is not None
+    prompt = list(range(5, 45))  # 40 tokens: above the limit on every CPU
+    assert len(prompt) > gguf_codes.max_rows()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
+
+    def run(tag: str):
+        engine.add_request(tag, prompt, params)
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    return o.outputs[0].token_ids, o.outputs[0].logprobs
+
+    ids, logprobs = run("a")
+    o_proj = model.layers[0].self_attn.o_proj
+    n, k = o_proj.out_features, o_proj.in_features
+    o_proj.codes = KQTiles.pack(torch.from_numpy(random_blocks(Q.Q4_1, n, k, seed=21)), Q.Q4_1)
+    model.native_stack = NativeStack.build(model)
+    other_ids, other_logprobs = run("b")
+    assert other_ids[0] == ids[0] and other_logprobs[0] == logprobs[0]  # the prefill: bf16 weights
+    assert other_logprobs[1:] != logprobs[1:]  # the decode steps: the other blocks
 
 
 def test_no_codes_when_turned_off(tiny_model_factory, tmp_path, monkeypatch):
