@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as Q
 
 from tessera import kernels
 from tessera.kernels.linear import InvariantLinear
-from tessera.quant import invariant
+from tessera.quant import gguf_codes, invariant
 from tessera.quant.gguf_kquant import GGUFBlockLinear
 from tessera.quant.gguf_native import decode_q8_0
 from tessera.quant.int4 import Int4Linear
@@ -39,7 +39,8 @@ def test_q8_0_logits_and_ids_are_the_bf16_kernels(m):
     n, k = 4128, 128  # n a multiple of 32 (the tiles' pairs), not of the 64 a chunk of work may hold
     w, tiles, d = _q8_0(n, k, seed=m)
     plain, coded = InvariantLinear(w), InvariantLinear(w)
-    coded.attach_q8_0(tiles, d, max(ROWS))  # every call from the blocks
+    # without AMX every call from the blocks; on AMX the calls the engine sends them (up to 32 rows)
+    coded.attach_q8_0(tiles, d, gguf_codes.max_rows() if invariant.cpu_has_amx() else max(ROWS))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
     logits, ids = coded.forward_float_argmax(x)
     want_logits, want_ids = plain.forward_float_argmax(x)
