@@ -53,8 +53,6 @@ def test_q8_0_logits_and_ids_are_the_bf16_kernels(m):
 def test_the_codes_are_what_small_calls_read():
     """Another weight's blocks change the logits of calls up to the row limit and of no larger one:
     the equality above is not passing because the blocks go unused."""
-    from tessera.quant import gguf_codes
-
     w, _, _ = _q8_0(64, 64, seed=1)
     _, tiles, d = _q8_0(64, 64, seed=2)
     lin = InvariantLinear(w)
