@@ -22,7 +22,8 @@ the blocks against 10.0 / 10.5 / 10.7 / 13.3 from bf16, AMD EPYC Zen 4; docs/ker
 
 A Q8_0 lm_head (the default model's tied token_embd) reads its blocks the same way (qgemm's Q8_0
 tiles, W = bf16(d q) the bf16 weight exactly): 28.7 MiB a step instead of 54, with the logits in
-fp32 and greedy ids from the store epilogue as the bf16 kernel gives them (qgemm_logits; session 29).
+fp32 and greedy ids as the bf16 kernel gives them (qgemm_logits: from the store epilogue on AMX,
+session 29; without AMX the bf16 output widened and its first maximum).
 """
 
 from __future__ import annotations
