@@ -34,5 +34,8 @@ void f32_gemm_pairs(const float* x, const float* wt, const float* bias, float* o
 // silu (then np = n).
 void f32_gemm_blocks(const float* x, const uint8_t* blocks, int format, const float* bias, float* out, int64_t m,
                      int64_t n, int64_t np, int64_t k, int store);
+// One block of format `format` (0-4): the k it covers and its bytes.
+int64_t f32_block_k(int format);
+int64_t f32_block_bytes(int format);
 
 }  // namespace tessera_avx2

@@ -379,19 +379,34 @@ void f32_gemm_pairs(const float* x, const float* wt, const float* bias, float* o
   }
 }
 
+// fn(std::integral_constant<int, F>) for f32_gemm_blocks' format number (0-4), returning its result.
+template <typename Fn>
+auto with_format(int format, Fn&& fn) {
+  switch (format) {
+    case 0: return fn(std::integral_constant<int, kQ4>());
+    case 1: return fn(std::integral_constant<int, kQ8>());
+    case 2: return fn(std::integral_constant<int, kQ4F>());
+    case 3: return fn(std::integral_constant<int, kQ8F16>());
+    default: return fn(std::integral_constant<int, kQ8M>());
+  }
+}
+
+int64_t f32_block_k(int format) {
+  return with_format(format, [](auto tag) { return kBlock<decltype(tag)::value>; });
+}
+
+int64_t f32_block_bytes(int format) {
+  return with_format(format, [](auto tag) { return kBlockBytes<decltype(tag)::value>; });
+}
+
 void f32_gemm_blocks(const float* x, const uint8_t* blocks, int format, const float* bias, float* out, int64_t m,
                      int64_t n, int64_t np, int64_t k, int store) {
-  const auto run = [&](auto format_tag) {
-    constexpr int F = decltype(format_tag)::value;
+  with_format(format, [&](auto tag) {
+    constexpr int F = decltype(tag)::value;
     if (store == 0) gemm<kPlain, F>(x, blocks, bias, out, m, n, np, k);
     if (store == 1) gemm<kPairsSplit, F>(x, blocks, bias, out, m, n, np, k);
     if (store == 2) gemm<kPairsSilu, F>(x, blocks, bias, out, m, n, np, k);
-  };
-  if (format == 0) run(std::integral_constant<int, kQ4>());
-  if (format == 1) run(std::integral_constant<int, kQ8>());
-  if (format == 2) run(std::integral_constant<int, kQ4F>());
-  if (format == 3) run(std::integral_constant<int, kQ8F16>());
-  if (format == 4) run(std::integral_constant<int, kQ8M>());
+  });
 }
 
 }  // namespace tessera_avx2

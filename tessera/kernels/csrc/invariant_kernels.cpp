@@ -603,9 +603,8 @@ at::Tensor linear_f32_blocks(const at::Tensor& x, const at::Tensor& blocks, cons
   TORCH_CHECK(format >= 0 && format <= 4,
               "linear_f32_blocks: format 0 (Q4_0 / Q4_1), 1 (Q8_0, Q5_0), 2 (Q4_K), 3 (Q6_K) or 4 (Q5_1, Q5_K)");
   TORCH_CHECK(store >= 0 && store <= 2, "linear_f32_blocks: store 0, 1 or 2");
-  const int64_t block_k = format == 3 ? 16 : 32;
-  constexpr int64_t kBytes[] = {256 + 32 * 32, 128 + 32 * 64, 512 + 32 * 32, 256 + 16 * 64, 512 + 32 * 64};
-  const int64_t bytes = kBytes[format];
+  const int64_t block_k = tessera_avx2::f32_block_k(static_cast<int>(format));
+  const int64_t bytes = tessera_avx2::f32_block_bytes(static_cast<int>(format));
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 3 && blocks.size(2) == bytes &&
                   blocks.is_contiguous() && blocks.size(0) * 64 >= n && (store == 0 || blocks.size(0) * 64 == n),
               "linear_f32_blocks: blocks must be contiguous uint8 [np / 64, k / ", block_k, ", ", bytes, "] covering ", n,
