@@ -41,6 +41,7 @@ from tessera.engine.candidates import (
     TOP_P_TOLERANCE,
     KeptPrefix,
     draw_from_prefix,
+    draw_kept,
     first_argmax,
     head_topk,
     kept_prefix,
@@ -361,15 +362,17 @@ class Sampler:
 
     def _sample_filtered(self, logits: torch.Tensor, temperature: torch.Tensor, params: Sequence[SamplingParams],
                          generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-        """Rows with top-k or top-p: only the head of each row is sorted (tessera.engine.candidates)."""
+        """Rows with top-k or top-p: only the head of each row is sorted (tessera.engine.candidates);
+        without seeded rows the kept tokens and the draw are one native call where it runs (draw_kept)."""
         device, vocab = logits.device, logits.shape[-1]
-        prefix = kept_prefix(
-            logits, temperature,
+        filters = (
             torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device),
             torch.tensor([p.top_p for p in params], device=device),
             torch.tensor([p.min_p for p in params], device=device),
         )
-        return self._draw(prefix, generators, vocab, device)
+        if all(gen is None for gen in generators):
+            return draw_kept(logits, temperature, *filters, self._uniforms(len(params), device))
+        return self._draw(kept_prefix(logits, temperature, *filters), generators, vocab, device)
 
     def _sample_plain(self, logits: torch.Tensor, temperature: torch.Tensor, params: Sequence[SamplingParams],
                       generators: Sequence[torch.Generator | None]) -> torch.Tensor:

@@ -238,3 +238,41 @@ def test_native_kept_head_equals_the_torch_ops(vocab, monkeypatch):
                 n = int(got.num_kept[r])
                 assert got.token_ids[r, :n].tolist() == want.token_ids[r, :n].tolist()
                 torch.testing.assert_close(got.weights[r, :n], want.weights[r, :n], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("vocab", [4096, 49152])
+def test_draw_kept_equals_the_draw_from_the_kept_prefix(vocab):
+    """draw_kept (the native kept head and draw in one call, wider fetches for the rows it hands
+    back) against draw_from_prefix(kept_prefix(...)) with the same uniforms, uniforms on the
+    prefix's cumulative boundaries included; each row's token also alone, outside its batch."""
+    import tessera.engine.candidates as candidates
+    from tessera import kernels
+
+    if not candidates._native_kept(torch.zeros(1, vocab), 66):
+        pytest.skip("the native sampling ops are not built here")
+    handed_back = drawn = 0
+    for seed in range(3):
+        x = random_rows(seed * 13 + vocab, 6, vocab)
+        temperature = torch.tensor([1.0, 0.7, 1.3, 0.9, 0.5, 1.1])
+        top_k = torch.tensor([1, 7, 50, vocab, vocab, 20])
+        top_p = torch.tensor([1.0, 0.9, 0.5, 0.3, 0.97, 1.0])
+        min_p = torch.tensor([0.0, 0.05, 0.0, 0.0, 0.01, 0.2])
+        filters = (temperature, top_k, top_p, min_p)
+        prefix = kept_prefix(x, *filters)
+        cdf = prefix.weights.cumsum(-1)
+        boundaries = (cdf / cdf[:, -1:]).clamp_max(1 - 2**-53)  # u * total lands on a cumulative sum
+        uniforms = [torch.zeros(6, dtype=torch.float64), torch.full((6,), 1 - 2**-53, dtype=torch.float64)]
+        uniforms += [boundaries[:, min(j, cdf.shape[1] - 1)].contiguous() for j in range(0, 60, 3)]
+        uniforms += [torch.rand(6, dtype=torch.float64, generator=torch.Generator().manual_seed(i)) for i in range(20)]
+        width = candidates._first_width(top_k, top_p, vocab)
+        norm = candidates._row_normalizers(x, temperature, (top_k >= vocab) & (top_p < 1.0))
+        for u in uniforms:
+            got = candidates.draw_kept(x, *filters, u)
+            assert torch.equal(got, draw_from_prefix(prefix, u))
+            for r in (0, 3, 4):
+                alone = candidates.draw_kept(x[r:r + 1], *(f[r:r + 1] for f in filters), u[r:r + 1])
+                assert int(alone) == int(got[r])
+            native = kernels.ops().draw_kept_head(x, *filters, width, *norm, u)
+            handed_back += int((native < 0).sum())
+            drawn += int((native >= 0).sum())
+    assert handed_back > 0 and drawn > 0  # both routes ran

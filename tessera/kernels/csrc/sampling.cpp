@@ -2,6 +2,7 @@
 // torch ops:
 //   * head_topk:      the head of each row for top-k / top-p (tessera.engine.candidates.head_topk)
 //   * kept_head:      the kept prefix of that head (tessera.engine.candidates._kept_within)
+//   * draw_kept_head: kept_head and the inverse-CDF draw from it (tessera.engine.candidates.draw_kept)
 //   * sample_softmax: one token per row from softmax(logits / temperature) by the inverse CDF of a
 //                     given uniform (temperature-only rows: the API's default sampling)
 //   * softmax_normalizers: each row's max and sum of exps, what a top-p-only nucleus is
@@ -235,6 +236,47 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kept_head(
   return kept_in_head(scaled, ids, bound, temperature, top_k, top_p, min_p, x.size(1), norm_max, norm_sum);
 }
 
+// draw_kept_head: kept_head, then each exact row's token from its kept prefix by the inverse CDF
+// of its uniform (tessera.engine.candidates._inverse_cdf): a sequential float64 cumulative sum,
+// the target u * total kept below the total, the first position whose sum exceeds it. -1 for a
+// row whose answer reaches past the exact head (the caller fetches it wider). One call instead of
+// the kept prefix's [R, W] tensors, a torch cumsum and a searchsorted in Python: at a 32-row step
+// right after the model those small ops ran 3-4x slower than in a loop (cold caches).
+at::Tensor draw_kept_head(const at::Tensor& x, const at::Tensor& temperature, const at::Tensor& top_k,
+                          const at::Tensor& top_p, const at::Tensor& min_p, int64_t width, const at::Tensor& norm_max,
+                          const at::Tensor& norm_sum, const at::Tensor& uniforms) {
+  const int64_t rows = x.size(0);
+  TORCH_CHECK(uniforms.numel() == rows, "draw_kept_head: one uniform per row");
+  auto [exact, ids, weights, num_kept] = kept_head(x, temperature, top_k, top_p, min_p, width, norm_max, norm_sum);
+  const at::Tensor u = uniforms.to(at::kDouble).contiguous();
+  auto tokens = at::empty({rows}, ids.options());
+  const int64_t w = ids.size(1);
+  const bool* ep = exact.data_ptr<bool>();
+  const int64_t *ip = ids.data_ptr<int64_t>(), *np = num_kept.data_ptr<int64_t>();
+  const double *wp = weights.data_ptr<double>(), *up = u.data_ptr<double>();
+  int64_t* out = tokens.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    if (!ep[r]) {
+      out[r] = -1;
+      continue;
+    }
+    const double* wt = wp + r * w;
+    const int64_t kept = np[r];  // the weights past it are 0: they add nothing to the sums
+    double total = 0.0;
+    for (int64_t j = 0; j < kept; ++j) total += wt[j];
+    const double target = std::min(up[r] * total, std::nextafter(total, 0.0));
+    double run = 0.0;
+    int64_t at = kept - 1;
+    for (int64_t j = 0; j < kept; ++j)
+      if ((run += wt[j]) > target) {
+        at = j;
+        break;
+      }
+    out[r] = ip[r * w + at];
+  }
+  return tokens;
+}
+
 // The vectorized ops (sampling_rows.h) twice: on AVX-512 (sampling_lanes_avx512.h) and on
 // AVX2 + FMA (sampling_lanes_avx2.h, Zen 3), whatever -march=native says; both give the same bits.
 // The ops registered below call the one the CPU has. On Zen 3 the sampler had kept its torch
@@ -306,6 +348,8 @@ TORCH_LIBRARY_FRAGMENT(tessera_inv, m) {
   m.def("head_topk(Tensor x, int width, Tensor? temperature=None) -> (Tensor, Tensor, Tensor)");
   m.def("kept_head(Tensor x, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, int width, "
         "Tensor norm_max, Tensor norm_sum) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("draw_kept_head(Tensor x, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, int width, "
+        "Tensor norm_max, Tensor norm_sum, Tensor uniforms) -> Tensor");
   m.def("kept_in_head(Tensor scaled, Tensor ids, Tensor? bound, Tensor temperature, Tensor top_k, Tensor top_p, "
         "Tensor min_p, int vocab, Tensor norm_max, Tensor norm_sum) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("sample_softmax(Tensor logits, Tensor temperature, Tensor uniforms) -> Tensor");
@@ -318,6 +362,7 @@ TORCH_LIBRARY_FRAGMENT(tessera_inv, m) {
 TORCH_LIBRARY_IMPL(tessera_inv, CPU, m) {
   m.impl("head_topk", &head_topk);
   m.impl("kept_head", &kept_head);
+  m.impl("draw_kept_head", &draw_kept_head);
   m.impl("kept_in_head", &kept_in_head);
   m.impl("sample_softmax", &sample_softmax);
   m.impl("softmax_normalizers", &softmax_normalizers);
