@@ -3,7 +3,7 @@
 `NativeStack.build(model)` checks, once, that every layer is the plain Llama layer (fused qkv,
 optional qkv bias, no q/k norm, SwiGLU MLP, RMSNorm) on the batch-invariant CPU kernels (float
 weights as InvariantLinear, quantized ones on their batch-invariant kernel: int8, int4 and
-the GGUF modes' Q4_0/Q4_1/Q8_0/K-quant layers, and on AVX2-only CPUs in float32 the GGUF
+the GGUF modes' Q4_0/Q4_1/Q8_0/K-quant layers, and where there is no AMX the GGUF
 Q4_0/Q4_1/Q8_0 int8-activation kernels; the invariant paged attention backend; the fused
 elementwise ops), and then holds the per-layer tensors in the order `tessera_inv::decoder_stack`
 (tessera/kernels/csrc/decoder_stack.cpp) takes them. `forward` runs a step through it, or
@@ -108,7 +108,7 @@ def _linear_spec(w) -> tuple[int, int, list[torch.Tensor | None]]:
         if w.f32_blocks is not None:  # decode sizes from the GGUF blocks (tessera/quant/gguf_f32_blocks.py)
             return 7, int(w.pairs) + 2 * (1 + w.f32_blocks_format), [w.packed, w.f32_blocks]
         return 1, (1 if w.pairs else 0), [w.packed]  # format 1: a gate_up in the paired layout
-    if kind is Q4BlocksLinear and w.native_ok():  # float32 x only (the stack's dtype is checked)
+    if kind is Q4BlocksLinear and w.native_ok():  # on float32 x (a bf16 step's converted, as the module does)
         return 5, 0, [w.qs, w.d, w.m]
     if kind is Q8BlocksLinear and w.native_ok():
         return 6, 0, [w.qs, w.d]
@@ -154,8 +154,7 @@ def _unsupported(model) -> str | None:
             return "the norms' eps differ"
         for w in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             kind = _linear_spec(w)[0]
-            if kind < 0 or (type(w) is InvariantLinear and w.dtype != model.dtype) or (
-                    kind in (5, 6) and model.dtype != torch.float32):
+            if kind < 0 or (type(w) is InvariantLinear and w.dtype != model.dtype):
                 return f"layer {i} has a weight off the batch-invariant kernels ({type(w).__name__})"
         if attn.qkv_bias is not None and attn.qkv_bias.dtype != model.dtype:
             return f"layer {i}'s qkv bias is not {model.dtype}"

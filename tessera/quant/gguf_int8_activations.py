@@ -1,10 +1,10 @@
-"""GGUF Q4_0 / Q4_1 / Q8_0 weights on int8 activations, for CPUs with AVX2 and no AVX-512 (Zen 3).
+"""GGUF Q4_0 / Q4_1 / Q8_0 weights on int8 activations, for x86 CPUs without AMX (Zen 3, Zen 4).
 
 The arithmetic llama.cpp and vLLM's GGUF kernels use: each row of x is quantized per 32 to int8
 (d_x = amax / 127, round to nearest even: llama.cpp's Q8_1) and the code products are summed in
 integers; per block W.x = d d_x sum q q_x (+ m s_x for W = d q + m: Q4_1, and Q4_0 with m = -8 d,
 exact in float16; s_x = d_x sum q_x). The kernels (tessera_gemv.q4x8 and q8x8,
-quant/csrc/gemv_avx2.cpp) take the codes in groups of 8 rows interleaved so that one vector lane
+quant/csrc/gemv_x8.h, in both builds of tessera_gemv) take the codes in groups of 8 rows interleaved so that one vector lane
 holds one row (their layout comments say how); `pack_q4x8` / `pack_q8x8` write those layouts from
 the file's blocks and the `unpack_*` functions read them back.
 
@@ -105,7 +105,7 @@ class _Int8ActivationLinear(QuantLinear):
 
     @property
     def kernels(self) -> tuple[str, ...]:
-        return (("native",) if native_gemv.avx2_only() and native_gemv.available() else ()) + ("dequant",)
+        return (("native",) if native_gemv.available() else ()) + ("dequant",)
 
     def native_ok(self) -> bool:
         return self.qs.device.type == "cpu" and "native" in self.kernels

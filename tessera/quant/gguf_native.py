@@ -8,13 +8,15 @@ In Q4 blocks byte j holds weight j in its low nibble and weight j + 16 in its hi
 
 Q4_0 and Q4_1: on AMX CPUs the KQ tiles of gguf_tiles.py (GGUFBlockLinear), W computed in float32
 as the file's own dequantization and rounded to bf16 per tile, as the bf16 engine rounds its weight,
-so the mode gives that engine's tokens from a third of the memory (session 29). On CPUs with AVX2
-and no AVX-512 (Zen 3) the file's codes and scales (Q4BlocksLinear, and Q8BlocksLinear for Q8_0):
-activations quantized to int8 per 32 and integer dot products, as llama.cpp and vLLM's GGUF kernels
-compute (gguf_int8_activations.py). Elsewhere they map onto the int4 kernel's format with group
-size 32 (scale d, zero point 0 or m + 8d): the codes are kept as they are, the scales rounded from
-float16 to bfloat16 (a relative change of at most 2^-8 per block scale, far below the 4-bit step),
-for the faster grouped AVX-512 arithmetic of Zen 4/5.
+so the mode gives that engine's tokens from a third of the memory (session 29). On other x86 CPUs
+with the native kernels (Zen 3 and Zen 4; AVX2 is enough) the file's codes and scales
+(Q4BlocksLinear, and Q8BlocksLinear for Q8_0): activations quantized to int8 per 32 and integer dot
+products, as llama.cpp and vLLM's GGUF kernels compute (gguf_int8_activations.py). On Zen 4 that
+read the default model's 120 layer linears at one row in 1.9 ms against 4.7 for the grouped INT4
+AVX-512 arithmetic it replaced there (session 40). Without the native kernels they map onto the
+int4 kernel's format with group size 32 (scale d, zero point 0 or m + 8d): the codes are kept as
+they are, the scales rounded from float16 to bfloat16 (a relative change of at most 2^-8 per block
+scale, far below the 4-bit step).
 Q8_0 (where not on int8 activations as above) keeps its int8 codes and float16 scales as they are:
 the batch-invariant kernel where it exists, the float32 C++ GEMV at decode sizes, else row tiles of
 about 2 MiB dequantized into the activation dtype for each call.
@@ -177,6 +179,13 @@ def slot_block_rows(files, parts: list[str], types) -> tuple[Q, torch.Tensor] | 
     return qtype, torch.cat(raw)
 
 
+def on_int8_activations() -> bool:
+    """Whether Q4_0 / Q4_1 / Q8_0 tensors run on int8 activations here (gguf_int8_activations.py):
+    where the native GEMV kernels are built and there is no AMX (whose tiles give the bf16
+    engine's tokens instead, above)."""
+    return native_gemv.available() and not (invariant.enabled() and invariant.cpu_has_amx())
+
+
 def _decode(tensor) -> tuple | None:
     """A GGUF tensor as ("int4", codes, scale, zero), ("q8_0", codes, d), ("q4_blocks", qs, d, m),
     ("q8_blocks", codes, d) or (type name, raw block bytes uint8 [rows, bytes per row]); None if
@@ -187,10 +196,9 @@ def _decode(tensor) -> tuple | None:
     if tensor.tensor_type in (Q.Q4_0, Q.Q4_1) and invariant.enabled() and invariant.cpu_has_amx():
         # The KQ kernel on AMX: W = d q (- 8 d | + m) in float32, the file's own dequantization
         # exactly, then bf16 per tile, as the bf16 engine's weight (so the same tokens as
-        # --quantization none); INT4's scale and zero would round d and m to bf16 first. Without
-        # AMX, INT4's grouped AVX-512 arithmetic is the faster one and stays.
+        # --quantization none); INT4's scale and zero would round d and m to bf16 first.
         return (tensor.tensor_type.name, raw_rows(tensor))
-    if native_gemv.avx2_only() and native_gemv.available():  # int8 activations (gguf_int8_activations.py)
+    if on_int8_activations():
         if tensor.tensor_type in (Q.Q4_0, Q.Q4_1):
             return ("q4_blocks", *decode_q4_blocks(_blocks(tensor.data, tensor.tensor_type, rows), tensor.tensor_type))
         if tensor.tensor_type == Q.Q8_0:

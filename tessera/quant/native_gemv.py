@@ -9,8 +9,8 @@ tessera/native.py); when either is missing `available()` is False and the QuantL
 keep their torch kernels. Ops: torch.ops.tessera_gemv.{int8, q8_0, int4pack}, with fake (meta)
 kernels so torch.compile can trace through them. The int4 op reads torch's packed layout of the
 machine: 64-row blocks where torch packs for AVX-512, 32-row blocks on AVX2 (`INT4_BLOCK_ROWS`).
-On AVX2 only, `tessera_gemv.q4x8` and `q8x8` compute GGUF Q4_0/Q4_1 and Q8_0 blocks on
-int8-quantized activations (llama.cpp's arithmetic) for any number of rows
+Both builds carry `tessera_gemv.q4x8` and `q8x8` (csrc/gemv_x8.h): GGUF Q4_0/Q4_1 and Q8_0 blocks
+on int8-quantized activations (llama.cpp's arithmetic) for any number of rows
 (gguf_int8_activations.py).
 """
 
@@ -53,10 +53,10 @@ INT4_BLOCK_ROWS = 32 if avx2_only() else 64
 def available() -> bool:
     """True when the kernels are built and loaded on a CPU that can run them."""
     if cpu_supported():
-        name, sources = "tessera_gemv", (_CSRC / "gemv.cpp",)
+        name, sources = "tessera_gemv", (_CSRC / "gemv.cpp", _CSRC / "gemv_x8.h")
         defines = (f"PREFETCH_BYTES={PREFETCH_BYTES}", f"PREFETCH_HINT={PREFETCH_HINT}")
     elif avx2_only():
-        name, sources, defines = "tessera_gemv_avx2", (_CSRC / "gemv_avx2.cpp",), ()
+        name, sources, defines = "tessera_gemv_avx2", (_CSRC / "gemv_avx2.cpp", _CSRC / "gemv_x8.h"), ()
     else:
         return False
     if not load_extension(name, sources, defines):
@@ -72,9 +72,8 @@ def _register_fakes() -> None:
     torch.library.register_fake("tessera_gemv::int8")(lambda x, q, scale: out(x, q.shape[0]))
     torch.library.register_fake("tessera_gemv::q8_0")(lambda x, codes, d: out(x, codes.shape[0]))
     torch.library.register_fake("tessera_gemv::int4pack")(lambda x, packed, sz, group: out(x, sz.shape[1]))
-    if avx2_only():
-        torch.library.register_fake("tessera_gemv::q4x8")(lambda x, qs, d, m: out(x, 8 * qs.shape[0]))
-        torch.library.register_fake("tessera_gemv::q8x8")(lambda x, qs, d: out(x, 8 * qs.shape[0]))
+    torch.library.register_fake("tessera_gemv::q4x8")(lambda x, qs, d, m: out(x, 8 * qs.shape[0]))
+    torch.library.register_fake("tessera_gemv::q8x8")(lambda x, qs, d: out(x, 8 * qs.shape[0]))
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -111,11 +110,11 @@ def gemv_int4pack(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Ten
 
 def gemv_q4x8(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ W.T for GGUF Q4 blocks in the q4x8 layout (gguf_int8_activations.py) -> [M, 8 * groups],
-    x quantized to int8 per 32 first; any M (AVX2-only CPUs, gemv_avx2.cpp)."""
+    x quantized to int8 per 32 first; any M (gemv_x8.h)."""
     return torch.ops.tessera_gemv.q4x8(_f32(x), qs, d, m).to(x.dtype)
 
 
 def gemv_q8x8(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ W.T for a GGUF Q8_0 weight in the q8x8 layout (gguf_int8_activations.py) -> [M, 8 *
-    groups], x quantized to int8 per 32 first; any M (AVX2-only CPUs, gemv_avx2.cpp)."""
+    groups], x quantized to int8 per 32 first; any M (gemv_x8.h)."""
     return torch.ops.tessera_gemv.q8x8(_f32(x), qs, d).to(x.dtype)

@@ -24,7 +24,7 @@ from tessera.engine.async_engine import AsyncLLMEngine
 from tessera.engine.engine import LLMEngine
 from tessera.kernels import cpu_has_avx512_bf16
 from tessera.model.weights import load_model_files
-from tessera.quant import native_gemv
+from tessera.quant.gguf_native import on_int8_activations
 
 # bfloat16 invariance is promised where the CPU has AVX-512 BF16 (docs/reproducibility.md); without
 # it bf16 is emulated and these cases took 5 of a 15-minute suite on Zen 3 (session 31) to check
@@ -163,19 +163,22 @@ def test_a_request_alone_equals_it_batched_chunked_preempted_and_streamed(defaul
     assert_all_equal(alone, variants)
 
 
-@pytest.mark.skipif(not (native_gemv.avx2_only() and native_gemv.available()),
-                    reason="the GGUF mode's int8-activation kernels are the AVX2-only CPUs' (gguf_int8_activations.py)")
+@pytest.mark.skipif(not on_int8_activations(),
+                    reason="the GGUF mode is not on int8 activations here (AMX, or no native kernels)")
 def test_gguf_mode_on_int8_activations_alone_equals_batched_and_chunked(default_model_path, monkeypatch):
-    """--quantization gguf on Zen 3: Q4_1 layers and the Q8_0 lm_head on int8 activations, one
-    kernel for every row count, so a request's tokens do not depend on its batch or its chunks."""
+    """--quantization gguf on Zen 3 / Zen 4: Q4_1 layers and the Q8_0 lm_head on int8 activations,
+    one kernel for every row count, so a request's tokens do not depend on its batch or its chunks
+    (in the CPU's engine dtype: bf16 where it has AVX-512 BF16, the activations converted to float32
+    for the kernels and back)."""
     monkeypatch.setattr(engine_module, "load_model_files", load_model_files)  # the GGUF file itself, not floats
-    plain = make_engine(default_model_path, "float32", quantization="gguf", enable_prefix_caching=False)
+    dtype = "bfloat16" if cpu_has_avx512_bf16() else "float32"
+    plain = make_engine(default_model_path, dtype, quantization="gguf", enable_prefix_caching=False)
     target = chat_ids(plain, [{"role": "user", "content": "Explain in two sentences why the sky is blue."}])
     others = [chat_ids(plain, [{"role": "user", "content": f"Write a short story about {t}." + " Please." * i}])
               for i, t in enumerate(TOPICS)]
     batch = others[:8] + [target] + others[8:]
     alone = generate(plain, [target])[0]
-    chunked = make_engine(default_model_path, "float32", quantization="gguf", enable_prefix_caching=False,
+    chunked = make_engine(default_model_path, dtype, quantization="gguf", enable_prefix_caching=False,
                           max_num_batched_tokens=16)
     assert_all_equal(alone, {"in a batch of 16 (chunk budget 512)": generate(plain, batch)[8],
                              "chunk budget 16": generate(chunked, batch)[8]})

@@ -24,8 +24,7 @@ from tessera.quant.gguf_int8_activations import (
 )
 from tessera.quant.gguf_native import _blocks, decode_q8_0
 
-needs_kernel = pytest.mark.skipif(not (native_gemv.avx2_only() and native_gemv.available()),
-                                  reason="tessera_gemv.q4x8 is built on CPUs with AVX2 and no AVX-512")
+needs_kernel = pytest.mark.skipif(not native_gemv.available(), reason="tessera_gemv (q4x8, q8x8) is not built here")
 
 
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]

@@ -24,7 +24,7 @@ from tessera.model.weights import load_model_files
 from tessera.quant import QuantLinear, invariant, native_gemv, quantize_model
 from tessera.quant.gguf_embedding import QuantEmbedding, dequantize_rows
 from tessera.quant.gguf_kquant import KQUANT_TYPES, GGUFBlockLinear, decode_rows
-from tessera.quant.gguf_native import ConcatLinear, Q8_0Linear, decode_q8_0
+from tessera.quant.gguf_native import ConcatLinear, Q8_0Linear, decode_q8_0, on_int8_activations
 from tessera.quant.int4 import Int4Linear
 from tessera.quant.int8 import Int8Linear
 from tests.tiny_model import write_gguf_from_hf_dir
@@ -168,7 +168,7 @@ def test_gguf_mode_lm_head_and_embedding_from_blocks(tiny_model_factory, tmp_pat
     if tied:
         assert model.embed_tokens.layer is model.lm_head
     got, want = prefill_and_decode_logits(model, PROMPT), prefill_and_decode_logits(ref, PROMPT)
-    int8_activations = native_gemv.avx2_only() and native_gemv.available() and qtype in (Q.Q4_1, Q.Q8_0)
+    int8_activations = on_int8_activations() and qtype in (Q.Q4_1, Q.Q8_0)
     if qtype == Q.Q4_1 or int8_activations:  # bf16 scales on the int4 kernel, or x rounded to int8
         assert F.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999
     else:  # the file's exact weights

@@ -12,7 +12,8 @@ from tessera import SamplingParams, kernels
 from tessera.config import EngineConfig
 from tessera.engine.engine import LLMEngine
 from tessera.kernels.linear import supported
-from tessera.quant import invariant, native_gemv
+from tessera.quant import invariant
+from tessera.quant.gguf_native import on_int8_activations
 from tests.tiny_model import write_gguf_from_hf_dir
 
 pytestmark = pytest.mark.skipif(not (kernels.available() and kernels.fused(torch.empty(0))),
@@ -110,21 +111,22 @@ def test_native_stack_equals_modules_quantized(tiny_model_factory, quantization)
     assert native == eager
 
 
-@pytest.mark.skipif(not (native_gemv.avx2_only() and native_gemv.available()),
-                    reason="the int8-activation kernels are the AVX2-only GEMV's (gemv_avx2.cpp)")
+@pytest.mark.skipif(not on_int8_activations(), reason="gguf mode is not on int8 activations here (AMX, or no kernels)")
+@pytest.mark.parametrize("dtype", _dtypes())
 @pytest.mark.parametrize("qtype,kind", [("Q4_0", 5), ("Q4_1", 5), ("Q8_0", 6)])
-def test_native_stack_equals_modules_gguf_int8_activations(tiny_model_factory, tmp_path, qtype, kind):
-    """--quantization gguf on a CPU with AVX2 and no AVX-512: every layer's blocks on
-    tessera_gemv.q4x8 / q8x8 through the stack (kinds 5, 6), for prefill chunks and decodes alike."""
+def test_native_stack_equals_modules_gguf_int8_activations(tiny_model_factory, tmp_path, dtype, qtype, kind):
+    """--quantization gguf on an x86 CPU without AMX: every layer's blocks on tessera_gemv.q4x8 /
+    q8x8 through the stack (kinds 5, 6), for prefill chunks and decodes alike; a bf16 step's
+    activations go to the kernels in float32 and come back in bf16, as through the modules."""
     from gguf import GGMLQuantizationType as Q
 
     model_dir = tiny_model_factory(hidden_size=128, intermediate_size=256)
     path = write_gguf_from_hf_dir(model_dir, tmp_path / f"tiny-{qtype}.gguf", qtype=Q[qtype])
     kw = dict(quantization="gguf", max_num_batched_tokens=32)
-    native, engine = _run(path, "float32", eager=False, **kw)
+    native, engine = _run(path, dtype, eager=False, **kw)
     assert engine.runner.model.native_stack is not None
     assert set(engine.runner.model.native_stack.lin_meta[::2]) == {kind}
-    eager, _ = _run(path, "float32", eager=True, **kw)
+    eager, _ = _run(path, dtype, eager=True, **kw)
     assert native == eager
 
 

@@ -3,8 +3,9 @@
 // Each kernel reads its weight once in its stored format and multiplies it with up to
 // kMaxRows float32 activation rows at a time, dequantizing in registers (float32 FMA, no int8
 // activation rounding, so results equal x @ dequantize(W).T up to float32 summation order).
-// Registered as torch ops tessera_gemv::{int8, q8_0, int4pack}; the loader is
-// tessera/quant/native_gemv.py, which falls back to the torch kernels when this fails to build.
+// Registered as torch ops tessera_gemv::{int8, q8_0, int4pack}, and {q4x8, q8x8} from gemv_x8.h
+// (GGUF blocks on int8 activations); the loader is tessera/quant/native_gemv.py, which falls back
+// to the torch kernels when this fails to build.
 //
 // Formats (see the Python owners for the details):
 //   int8     q int8 [N, K], scale f32 [N]:                    W = scale[n] * q            (quant/int8.py)
@@ -16,6 +17,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -272,16 +274,22 @@ at::Tensor gemv_int4pack(const at::Tensor& x, const at::Tensor& packed, const at
   return y;
 }
 
+#include "gemv_x8.h"
+
 }  // namespace
 
 TORCH_LIBRARY(tessera_gemv, lib) {
   lib.def("int8(Tensor x, Tensor q, Tensor scale) -> Tensor");
   lib.def("q8_0(Tensor x, Tensor codes, Tensor d) -> Tensor");
   lib.def("int4pack(Tensor x, Tensor packed, Tensor scales_zeros, int group) -> Tensor");
+  lib.def("q4x8(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor");
+  lib.def("q8x8(Tensor x, Tensor qs, Tensor d) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tessera_gemv, CPU, lib) {
   lib.impl("int8", &gemv_int8);
   lib.impl("q8_0", &gemv_q8_0);
   lib.impl("int4pack", &gemv_int4pack);
+  lib.impl("q4x8", &gemv_q4x8);
+  lib.impl("q8x8", &gemv_q8x8);
 }

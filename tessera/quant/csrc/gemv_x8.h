@@ -1,0 +1,201 @@
+// GGUF Q4_0 / Q4_1 and Q8_0 on int8-quantized activations (tessera_gemv::{q4x8, q8x8}): included
+// inside the anonymous namespace of both builds of the tessera_gemv library, gemv.cpp (AVX-512
+// CPUs: Zen 4, Intel) and gemv_avx2.cpp (AVX2 + FMA without AVX-512: Zen 3), after their
+// kMaxRows and dispatch_rows. The code is AVX2 (8-lane int8/int16 products); on Zen 4 it reads
+// the default model's Q4_1 layers at the memory's rate (1.9 ms a token for the 120 layer linears
+// against 4.7 for the grouped INT4 AVX-512 kernel: session 40), so both builds carry it.
+#pragma once
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+// ---- GGUF Q4_0 / Q4_1 blocks on int8 activations: the arithmetic llama.cpp and vLLM's GGUF kernels
+// use. Each row of x is quantized per 32 (Q8_1): d_x = amax / 127, q_x = round(x / d_x) (ties to
+// even), s_x = d_x sum q_x. A weight block is W = d q + m (Q4_0: m = -8 d) with codes q in 0..15, so
+// W.x over the block is d d_x sum q q_x + m s_x: the integer sum in VPMADDUBSW (unsigned codes
+// times signed activations, pairs into int16) and VPMADDWD, then an FMA per block.
+//
+// Layout (gguf_int8_activations.pack_q4x8 writes it): weight rows in groups of 8, and per group and block
+// 128 bytes, four 32-byte vectors j: byte 4 i + t of vector j holds the code of row i at k = 8 j + t
+// in its low nibble and at k = 8 j + 4 + t in its high one. So int32 lane i of a VPMADDWD sum is
+// row i's dot product, against x's bytes [8 j, 8 j + 4) and [8 j + 4, 8 j + 8) broadcast to every
+// lane; d and m are float16 [N / 8, K / 32, 8] (a group's 8 rows together). The 8 rows' results
+// come out as one vector: no horizontal sums, and the scales of 8 rows are one load.
+//
+// Why: the float32 GEMV on dequantized codes needs 4 conversions and 4 FMAs per 32 weights and
+// activation row; this needs 2 VPMADDUBSW and 2 adds per 32 weights, and a VPMADDWD, a conversion
+// and two FMAs per block of 8 rows.
+struct QuantizedX {
+  std::vector<int8_t> q;   // [M, K]
+  std::vector<float> d, s;  // [M, K / 32]
+};
+
+QuantizedX quantize_rows_q8_1(const float* x, int64_t m, int64_t k) {
+  const int64_t nb = k / 32;
+  QuantizedX out{std::vector<int8_t>(m * k), std::vector<float>(m * nb), std::vector<float>(m * nb)};
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t i = 0; i < m * nb; ++i) {
+    const float* v = x + i * 32;
+    __m256 f[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      f[j] = _mm256_loadu_ps(v + 8 * j);
+      amax = _mm256_max_ps(amax, _mm256_and_ps(f[j], abs_mask));
+    }
+    __m128 a = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_max_ss(a, _mm_shuffle_ps(a, a, 1));
+    const float top = _mm_cvtss_f32(a), d = top / 127.f, id = top != 0.f ? 127.f / top : 0.f;
+    __m256i qi[4];
+    for (int j = 0; j < 4; ++j)
+      qi[j] = _mm256_cvtps_epi32(
+          _mm256_round_ps(_mm256_mul_ps(f[j], _mm256_set1_ps(id)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+    // int32 -> int8 in order: the packs interleave 128-bit lanes, the permute undoes it.
+    const __m256i q16 = _mm256_packs_epi32(qi[0], qi[1]), q16b = _mm256_packs_epi32(qi[2], qi[3]);
+    const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16, q16b), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + i * 32), q8);
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    out.d[i] = d;
+    out.s[i] = d * float(_mm_cvtsi128_si32(t));
+  }
+  return out;
+}
+
+inline __m256i bcast4(const int8_t* p) {  // 4 bytes into every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Group g (8 weight rows) against M quantized activation rows. The int16 sums of a block's 8
+// VPMADDUBSW products stay below 8 * 2 * 15 * 127 = 30480: no saturation.
+template <int M>
+void q4x8_group(const int8_t* xq, const float* xd, const float* xs, const uint8_t* w, const uint16_t* d,
+                const uint16_t* mn, float* y, int64_t k, int64_t n, int64_t g) {
+  const int64_t nb = k / 32;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const uint8_t* wg = w + g * nb * 128;
+  const uint16_t *dg = d + g * nb * 8, *mg = mn + g * nb * 8;
+  __m256 acc[M], off[M];
+  for (int i = 0; i < M; ++i) acc[i] = off[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i lo[4], hi[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + b * 128 + 32 * j));
+      lo[j] = _mm256_and_si256(v, low);
+      hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dg + b * 8)));
+    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mg + b * 8)));
+    for (int i = 0; i < M; ++i) {
+      const int8_t* xb = xq + i * k + b * 32;
+      __m256i p = _mm256_maddubs_epi16(lo[0], bcast4(xb));
+      p = _mm256_add_epi16(p, _mm256_maddubs_epi16(hi[0], bcast4(xb + 4)));
+      for (int j = 1; j < 4; ++j) {
+        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(lo[j], bcast4(xb + 8 * j)));
+        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(hi[j], bcast4(xb + 8 * j + 4)));
+      }
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+      acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(xd[i * nb + b])), acc[i]);
+      off[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[i * nb + b]), off[i]);
+    }
+  }
+  for (int i = 0; i < M; ++i) _mm256_storeu_ps(y + i * n + 8 * g, _mm256_add_ps(acc[i], off[i]));
+}
+
+// Group g of a Q8_0 weight in the q8x8 layout (gguf_int8_activations.pack_q8x8) against M quantized
+// activation rows: per group and block 256 bytes, eight 32-byte vectors j, byte 4 i + t of vector j
+// row i's code at k = 4 j + t; d float16 [N / 8, K / 32, 8]. VPMADDUBSW takes its unsigned operand
+// first, so |w| meets x with w's sign (VPSIGNB), as llama.cpp does: pair sums of at most
+// 2 * 128 * 127, no saturation, each vector's summed into int32.
+template <int M>
+void q8x8_group(const int8_t* xq, const float* xd, const uint8_t* w, const uint16_t* d, float* y, int64_t k,
+                int64_t n, int64_t g) {
+  const int64_t nb = k / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const uint8_t* wg = w + g * nb * 256;
+  const uint16_t* dg = d + g * nb * 8;
+  __m256 acc[M];
+  for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i isum[M];
+    for (int i = 0; i < M; ++i) isum[i] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + b * 256 + 32 * j));
+      const __m256i a = _mm256_abs_epi8(v);
+      for (int i = 0; i < M; ++i) {
+        const __m256i sx = _mm256_sign_epi8(bcast4(xq + i * k + b * 32 + 4 * j), v);
+        isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(a, sx), ones));
+      }
+    }
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dg + b * 8)));
+    for (int i = 0; i < M; ++i)
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(dw, _mm256_set1_ps(xd[i * nb + b])), acc[i]);
+  }
+  for (int i = 0; i < M; ++i) _mm256_storeu_ps(y + i * n + 8 * g, acc[i]);
+}
+
+// x [M, K] against `groups` groups of 8 weight rows -> y [M, 8 groups], any M: x is quantized once,
+// then each thread walks its groups in tiles of about 16 KiB of codes (which stay in L1) and runs
+// every chunk of up to kMaxRows activation rows over a tile: group(M, x codes, d_x, s_x, y, g). A
+// row of the output depends only on its row of x (its own quantization, the same block order), so
+// the result does not depend on the batch.
+template <typename Group>
+at::Tensor x8_groups(const at::Tensor& x, int64_t groups, int64_t k, int64_t group_bytes, Group&& group) {
+  const int64_t m = x.size(0), n = 8 * groups, nb = k / 32;
+  const QuantizedX xq = quantize_rows_q8_1(x.data_ptr<float>(), m, k);
+  auto y = at::empty({m, n}, x.options());
+  float* yp = y.data_ptr<float>();
+  const int64_t tile = std::max<int64_t>(1, (16 << 10) / group_bytes);
+  at::parallel_for(0, groups, 2, [&](int64_t g0, int64_t g1) {
+    for (int64_t t0 = g0; t0 < g1; t0 += tile) {
+      const int64_t t1 = std::min(t0 + tile, g1);
+      for (int64_t m0 = 0; m0 < m; m0 += kMaxRows)
+        dispatch_rows<1>(std::min(kMaxRows, m - m0), [&]<int M>() {
+          for (int64_t g = t0; g < t1; ++g)
+            group.template operator()<M>(xq.q.data() + m0 * k, xq.d.data() + m0 * nb, xq.s.data() + m0 * nb,
+                                         yp + m0 * n, g);
+        });
+    }
+  });
+  return y;
+}
+
+void check_x8(const char* op, const at::Tensor& x, int64_t k, const at::Tensor& qs, int64_t block_bytes) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(0) >= 1,
+              "tessera_gemv.", op, ": x must be contiguous float32 [M, ", k, "]");
+  TORCH_CHECK(qs.dim() == 3 && qs.size(2) == block_bytes && qs.scalar_type() == at::kByte && qs.is_contiguous(),
+              "tessera_gemv.", op, ": qs must be contiguous uint8 [N / 8, K / 32, ", block_bytes, "]");
+}
+
+at::Tensor gemv_q4x8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mn) {
+  const int64_t groups = qs.size(0), nb = qs.size(1), k = 32 * nb;
+  check_x8("q4x8", x, k, qs, 128);
+  for (const at::Tensor* t : {&d, &mn})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->numel() == 8 * groups * nb,
+                "tessera_gemv.q4x8: d and m must be contiguous float16 [N / 8, K / 32, 8]");
+  const uint8_t* qp = qs.data_ptr<uint8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>());
+  const int64_t n = 8 * groups;
+  return x8_groups(x, groups, k, nb * 128, [&]<int M>(const int8_t* xq, const float* xd, const float* xs, float* y,
+                                                       int64_t g) { q4x8_group<M>(xq, xd, xs, qp, dp, mp, y, k, n, g); });
+}
+
+at::Tensor gemv_q8x8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
+  const int64_t groups = qs.size(0), nb = qs.size(1), k = 32 * nb;
+  check_x8("q8x8", x, k, qs, 256);
+  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.numel() == 8 * groups * nb,
+              "tessera_gemv.q8x8: d must be contiguous float16 [N / 8, K / 32, 8]");
+  const uint8_t* qp = qs.data_ptr<uint8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const int64_t n = 8 * groups;
+  return x8_groups(x, groups, k, nb * 256, [&]<int M>(const int8_t* xq, const float* xd, const float*, float* y,
+                                                       int64_t g) { q8x8_group<M>(xq, xd, qp, dp, y, k, n, g); });
+}
+
+#pragma GCC pop_options
