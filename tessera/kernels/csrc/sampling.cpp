@@ -56,7 +56,14 @@ inline float lanes_max_in_order(const float* lane) {
 
 inline float chunk_max(const float* p) {
   float lane[16];
-#if defined(__AVX__)
+#if defined(__AVX512F__)
+  // The same 16 lanes in one vector: a quarter of the AVX path's ops per chunk.
+  __m512 a = _mm512_loadu_ps(p);
+  for (int64_t i = 16; i < kChunk; i += 16) a = _mm512_max_ps(_mm512_loadu_ps(p + i), a);
+  const float m = _mm512_reduce_max_ps(a);
+  if (_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) == 0 && m != 0.0f) return m;
+  _mm512_storeu_ps(lane, a);
+#elif defined(__AVX__)
   __m256 a = _mm256_loadu_ps(p), b = _mm256_loadu_ps(p + 8);
   for (int64_t i = 16; i < kChunk; i += 16) {
     a = _mm256_max_ps(_mm256_loadu_ps(p + i), a);  // (x > lane) ? x : lane, as below
@@ -77,6 +84,37 @@ inline float chunk_max(const float* p) {
     for (int l = 0; l < 16; ++l) lane[l] = p[i + l] > lane[l] ? p[i + l] : lane[l];
 #endif
   return lanes_max_in_order(lane);
+}
+
+// Entries lo..hi-1 of row that are >= b (never a NaN), appended to v and id in index order. With
+// AVX-512 16 at a time (a compare and two compresses): the scalar loop's branch on every entry
+// of the ~70 chunks a row scans was a fifth of head_topk's time (Zen 4).
+inline void take_at_least(const float* row, int64_t lo, int64_t hi, float b, std::vector<float>& v,
+                          std::vector<int64_t>& id) {
+  int64_t i = lo;
+#if defined(__AVX512F__)
+  const __m512 bound = _mm512_set1_ps(b);
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  alignas(64) float vals[16];
+  alignas(64) int32_t idx[16];
+  for (; i + 16 <= hi; i += 16) {
+    const __mmask16 ge = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + i), bound, _CMP_GE_OQ);
+    if (!ge) continue;
+    // Compressed in registers, then stored whole: a compress straight to memory is microcoded on Zen 4.
+    _mm512_store_ps(vals, _mm512_maskz_compress_ps(ge, _mm512_loadu_ps(row + i)));
+    _mm512_store_si512(idx, _mm512_maskz_compress_epi32(ge, _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int32_t>(i)))));
+    const int taken = __builtin_popcount(ge);
+    for (int j = 0; j < taken; ++j) {
+      v.push_back(vals[j]);
+      id.push_back(idx[j]);
+    }
+  }
+#endif
+  for (; i < hi; ++i)
+    if (row[i] >= b) {
+      v.push_back(row[i]);
+      id.push_back(i);
+    }
 }
 
 // With `temperature`, each row's taken values come back divided by its temperature (in float32,
@@ -123,11 +161,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> head_topk(const at::Tensor& x, in
       for (int64_t c = 0; c < num_chunks; ++c) {
         if (!(maxima[c] >= b)) continue;
         const int64_t lo = c * kChunk, hi = std::min(vocab, lo + kChunk);
-        for (int64_t i = lo; i < hi; ++i)
-          if (row[i] >= b) {
-            v.push_back(row[i]);
-            id.push_back(i);
-          }
+        take_at_least(row, lo, hi, b, v, id);
       }
       if (tp) {
         const float t = tp[r];
