@@ -6,6 +6,7 @@
 //   * silu_mul:     silu(gate) * up over a fused [T, 2 * inter] gate_up output
 //   * rotary_kv:    rotary on q and k of a fused qkv output, k and v written into the paged
 //                   caches (the native decoder stack's rotary + write_kv)
+//   * gemma_rms_norm: Gemma's RMSNorm, scaled by 1 + weight in fp32 before the one rounding
 // Why: at batch 1 a decode step ran ~900 small aten ops; their dispatch, allocation and the
 // extra passes over memory were a quarter of the step. Every op works row by row with the same
 // instruction stream whatever the row count, so results stay batch-invariant.
@@ -134,6 +135,53 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::
                         out.data_ptr<B>(), has_res ? sum.data_ptr<B>() : nullptr, rows, d, static_cast<float>(eps));
     }));
   return {out, sum};
+}
+
+// Gemma's RMSNorm row by row: x in float32, normalised, times `scale` (1 + weight, float32), rounded
+// to x's dtype once (Gemma scales before rounding, Llama after: add_rms_norm). The squares summed
+// as add_rms_norm sums them. 640-wide rows (Gemma 3 270M) in ~1 us against ~17 us for the torch
+// ops of the module (rms_norm, mul, to: a decode step runs 108 of these norms).
+template <typename T>
+void gemma_rms_norm_rows(const T* x, const float* scale, T* out, int64_t rows, int64_t d, float eps) {
+  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * d;
+      T* o = out + r * d;
+      __m512 sq = _mm512_setzero_ps();
+      for (int64_t i = 0; i < d; i += 16) {
+        const __m512 v = load16(xr + i, tail_mask(d - i));
+        sq = _mm512_fmadd_ps(v, v, sq);
+      }
+      alignas(64) float part[16];
+      _mm512_store_ps(part, sq);
+      for (int step = 8; step > 0; step /= 2)
+        for (int j = 0; j < step; ++j) part[j] += part[j + step];
+      const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(part[0] / static_cast<float>(d) + eps));
+      for (int64_t i = 0; i < d; i += 16) {
+        const __mmask16 m = tail_mask(d - i);
+        store16(o + i, _mm512_mul_ps(_mm512_mul_ps(load16(xr + i, m), inv), load16(scale + i, m)), m);
+      }
+    }
+  });
+}
+
+at::Tensor gemma_rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "gemma_rms_norm: needs AVX-512 BF16");
+  TORCH_CHECK(x.is_contiguous() && scale.is_contiguous() && scale.scalar_type() == at::kFloat,
+              "gemma_rms_norm: contiguous x and a contiguous float32 scale");
+  const int64_t d = x.size(-1), rows = d ? x.numel() / d : 0;
+  TORCH_CHECK(scale.numel() == d, "gemma_rms_norm: scale has ", scale.numel(), " elements, rows ", d);
+  auto out = at::empty_like(x);
+  AT_DISPATCH_SWITCH(x.scalar_type(), "gemma_rms_norm",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      gemma_rms_norm_rows(x.data_ptr<float>(), scale.data_ptr<float>(), out.data_ptr<float>(), rows, d,
+                          static_cast<float>(eps));
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      gemma_rms_norm_rows(x.data_ptr<at::BFloat16>(), scale.data_ptr<float>(), out.data_ptr<at::BFloat16>(), rows, d,
+                          static_cast<float>(eps));
+    }));
+  return out;
 }
 
 // One head's row rotated: o[i] and o[half + i] from x[i] and x[half + i] at the token's cos/sin.
@@ -327,6 +375,7 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
 TORCH_LIBRARY_FRAGMENT(tessera_inv, m) {
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
   m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("gemma_rms_norm(Tensor x, Tensor scale, float eps) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin, Tensor positions, int heads, int head_dim) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rotary_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, int heads, int kv_heads, int head_dim, "
@@ -336,6 +385,7 @@ TORCH_LIBRARY_FRAGMENT(tessera_inv, m) {
 TORCH_LIBRARY_IMPL(tessera_inv, CPU, m) {
   m.impl("write_kv", &write_kv);
   m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("gemma_rms_norm", &gemma_rms_norm);
   m.impl("rotary", &rotary);
   m.impl("silu_mul", &silu_mul);
   m.impl("rotary_kv", &rotary_kv);
