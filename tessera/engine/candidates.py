@@ -295,7 +295,7 @@ def draw_from_prefix(prefix: KeptPrefix, uniforms: torch.Tensor) -> torch.Tensor
 
 
 def draw_kept(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-              min_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+              min_p: torch.Tensor, uniforms: torch.Tensor, chunk_maxima: torch.Tensor | None = None) -> torch.Tensor:
     """draw_from_prefix(kept_prefix(logits, ...), uniforms): one token per row, drawn from its kept
     tokens by the inverse CDF of its uniform. Where the native head takes the first fetch, the kept
     prefix and the draw are one call (sampling.cpp: draw_kept_head) for every row whose answer lies
@@ -303,13 +303,18 @@ def draw_kept(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tens
 
     A row's token is the one draw_from_prefix gives over that row's kept prefix alone. (A batch's
     prefix is padded with zero weights to its widest row, which changes no sum; only a batch
-    padded past 4 * _CDF_CHUNK took the chunked sums, whose float32 rounding differs.)"""
+    padded past 4 * _CDF_CHUNK took the chunked sums, whose float32 rounding differs.)
+
+    `chunk_maxima` [R, ceil(V / 16)] (optional): each row's maximum of every 16 logits, NaN where one
+    is NaN, as the lm_head's kernel found them (ModelRunner.chunk_maxima). The native head pass then
+    reads those instead of every logit for its chunk maxima: the same head, so the same tokens."""
     vocab = logits.shape[1]
     width = _first_width(top_k, top_p, vocab)
     if not _native_kept(logits, width):
         return draw_from_prefix(kept_prefix(logits, temperature, top_k, top_p, min_p), uniforms)
     norm = _row_normalizers(logits, temperature, (top_k >= vocab) & (top_p < 1.0))
-    tokens = kernels.ops().draw_kept_head(logits, temperature, top_k, top_p, min_p, width, *norm, uniforms)
+    tokens = kernels.ops().draw_kept_head(logits, temperature, top_k, top_p, min_p, width, *norm, uniforms,
+                                          chunk_maxima)
     redo = torch.nonzero(tokens < 0).flatten()
     if redo.numel():
         prefix = kept_prefix(logits[redo], temperature[redo], top_k[redo], top_p[redo], min_p[redo])

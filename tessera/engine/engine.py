@@ -349,6 +349,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             token_mask=token_mask,
             argmax=argmax,
+            chunk_maxima=None if argmax is not None else self.runner.chunk_maxima(logits),
         )
         outputs = self._process_samples(seqs, [[t] for t in sampled.token_ids], sampled.logprobs, time.monotonic())
         if self.spec is not None:

@@ -229,6 +229,7 @@ class Sampler:
         eos_token_ids: Collection[int] = (),
         token_mask: TokenMask | None = None,
         argmax: torch.Tensor | None = None,
+        chunk_maxima: torch.Tensor | None = None,
     ) -> SamplerOutput:
         """One token per row of `logits` [B, V]; every list argument has one entry per row.
 
@@ -236,6 +237,10 @@ class Sampler:
         (ModelRunner.execute_argmax); greedy rows take it when nothing below changed the logits
         (no grammar mask, penalty or min_tokens hold), saving a pass over [B, V]. Where every row
         does and none asks for logprobs (takes_argmax), `logits` is not read at all.
+
+        `chunk_maxima` [B, ceil(V / 16)]: each row's maximum of every 16 of `logits` as given (NaN
+        where one is NaN; ModelRunner.chunk_maxima); the top-k / top-p draw's head pass reads them
+        instead of the whole logits where nothing below changed the logits, and gives the same tokens.
 
         `token_mask` (structured outputs) sets the tokens its rows' grammars forbid to -inf
         before anything else, so logprobs too are those of the constrained distribution.
@@ -287,7 +292,7 @@ class Sampler:
         if not random_rows:
             token_ids = greedy if greedy is not None else first_argmax(logits)
         elif len(random_rows) == num_rows:
-            token_ids = self._sample_random(logits, params, generators)
+            token_ids = self._sample_random(logits, params, generators, chunk_maxima if logits is given else None)
         else:
             rows = torch.tensor(random_rows, device=device)
             sampled = self._sample_random(
@@ -317,6 +322,7 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        chunk_maxima: torch.Tensor | None = None,
     ) -> torch.Tensor:
         device, (num_rows, vocab) = logits.device, logits.shape
         temperature = torch.tensor([p.temperature for p in params], device=device)
@@ -330,6 +336,8 @@ class Sampler:
                 (filtered if limited or p.top_p < 1.0 else plain).append(i)
         groups = ((self._sample_nucleus, nucleus), (self._sample_top_p_kept, top_p_kept),
                   (self._sample_filtered, filtered), (self._sample_plain, plain))
+        if len(filtered) == num_rows:  # the whole batch: the lm_head's column maxima still fit its rows
+            return self._sample_filtered(logits, temperature, params, generators, chunk_maxima)
         for draw, group in groups:
             if len(group) == num_rows:
                 return draw(logits, temperature, params, generators)
@@ -361,7 +369,8 @@ class Sampler:
         return self._draw(KeptPrefix(ids, weights, num_kept), generators, logits.shape[-1], device)
 
     def _sample_filtered(self, logits: torch.Tensor, temperature: torch.Tensor, params: Sequence[SamplingParams],
-                         generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+                         generators: Sequence[torch.Generator | None],
+                         chunk_maxima: torch.Tensor | None = None) -> torch.Tensor:
         """Rows with top-k or top-p: only the head of each row is sorted (tessera.engine.candidates);
         without seeded rows the kept tokens and the draw are one native call where it runs (draw_kept)."""
         device, vocab = logits.device, logits.shape[-1]
@@ -371,7 +380,7 @@ class Sampler:
             torch.tensor([p.min_p for p in params], device=device),
         )
         if all(gen is None for gen in generators):
-            return draw_kept(logits, temperature, *filters, self._uniforms(len(params), device))
+            return draw_kept(logits, temperature, *filters, self._uniforms(len(params), device), chunk_maxima)
         return self._draw(kept_prefix(logits, temperature, *filters), generators, vocab, device)
 
     def _sample_plain(self, logits: torch.Tensor, temperature: torch.Tensor, params: Sequence[SamplingParams],

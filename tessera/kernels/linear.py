@@ -191,6 +191,15 @@ class InvariantLinear(nn.Module):
             return kernels.ops().linear_bf16(x, self.packed, None, self.out_features, True, BF16_ARITHMETIC)
         return self.forward(x)
 
+    def forward_float_maxima(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(forward_float(x), each row's maximum of every 16 of those logits, NaN where one is NaN;
+        None where no kernel finds them: the GGUF blocks' path, float32 weights). The bf16 kernel
+        finds them in its store epilogue, so a top-k / top-p draw need not read the logits whole
+        (tessera.engine.candidates.draw_kept)."""
+        if self.dtype != torch.bfloat16 or x.dim() != 2 or (self.q8_codes is not None and self._from_codes(x)):
+            return self.forward_float(x), None
+        return tuple(kernels.ops().linear_bf16_maxima(x, self.packed, None, self.out_features, BF16_ARITHMETIC))
+
     def forward_float_argmax(self, x: torch.Tensor, logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(forward_float(x), each row's first maximum of it, or None where no kernel finds it:
         float32 weights). The bf16 kernel finds it in its store epilogue, so greedy sampling

@@ -135,6 +135,16 @@ class CausalLM(nn.Module, ABC):
         cap = self.config.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
 
+    def compute_logits_maxima(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(compute_logits(hidden), each row's maximum of every 16 logits where the lm_head's kernel
+        finds them on the way, else None): a bf16 InvariantLinear (forward_float_maxima). Not with a
+        logit softcap (the maxima would be of the logits before it)."""
+        maxima = getattr(self.lm_head, "forward_float_maxima", None)
+        if maxima is not None and not self.config.final_logit_softcapping:
+            with torch.inference_mode():
+                return maxima(hidden)
+        return self.compute_logits(hidden), None
+
     def compute_logits_argmax(self, hidden: torch.Tensor, logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(compute_logits(hidden), each row's first maximum of those logits where the lm_head's
         kernel finds it on the way, else None): a bf16 InvariantLinear, or a quantized lm_head

@@ -25,6 +25,11 @@ struct ArgmaxChunk {
   std::vector<float> value;
   std::vector<int32_t> index;
   std::vector<uint8_t> seen;
+  // ArgmaxCollector::chunk sets these: where each stored 16 columns' maximum goes (keep_maxima),
+  // and whether the first maxima are tracked at all.
+  float* maxima = nullptr;
+  int64_t maxima_stride = 0;
+  bool ids = true;
   explicit ArgmaxChunk(int64_t m)
       : value(m * 16, -std::numeric_limits<float>::infinity()), index(m * 16, 0), seen(m, 0) {}
   // Empty again, for the next run of tasks.
@@ -46,7 +51,25 @@ class ArgmaxCollector {
   explicit ArgmaxCollector(int64_t m) : m_(m) {}
   int64_t rows() const { return m_; }
 
+  // Also (or, with ids false, only) each row's maximum of every 16 stored columns into
+  // maxima[row * stride + column / 16], NaN where one of them is NaN: the column maxima a sampler's
+  // head pass would otherwise read the whole logits for (tessera_inv::linear_bf16_maxima).
+  void keep_maxima(float* maxima, int64_t stride, bool ids) {
+    maxima_ = maxima;
+    stride_ = stride;
+    ids_ = ids;
+  }
+  // A new chunk of this collector's kind (every kernel takes its chunks from here).
+  ArgmaxChunk* chunk() const {
+    auto* c = new ArgmaxChunk(ids_ ? m_ : 0);
+    c->maxima = maxima_;
+    c->maxima_stride = stride_;
+    c->ids = ids_;
+    return c;
+  }
+
   void add(int64_t begin, const ArgmaxChunk& chunk) {
+    if (!chunk.ids) return;
     std::vector<ArgmaxPartial> mine;
     for (int64_t r = 0; r < m_; ++r) {
       if (!chunk.seen[r]) continue;
@@ -75,6 +98,9 @@ class ArgmaxCollector {
 
  private:
   int64_t m_;
+  float* maxima_ = nullptr;
+  int64_t stride_ = 0;
+  bool ids_ = true;
   std::mutex mu_;
   std::vector<ArgmaxPartial> parts_;
 };
@@ -93,6 +119,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void stor
   const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(h)), 16));
   if (out) _mm512_mask_storeu_ps(out, mask, w);
   if (!chunk) return;
+  if (chunk->maxima) {
+    const bool nan = _mm512_mask_cmp_ps_mask(mask, w, w, _CMP_UNORD_Q) != 0;
+    chunk->maxima[row * chunk->maxima_stride + col / 16] =
+        nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_mask_reduce_max_ps(mask, w);
+  }
+  if (!chunk->ids) return;
   chunk->seen[row] = 1;
   float* best = chunk->value.data() + row * 16;
   const __m512 cur = _mm512_loadu_ps(best);

@@ -173,7 +173,7 @@ void avx512_gemm(const at::BFloat16* a, int64_t lda, const at::BFloat16* b, cons
       const int64_t m0 = part / split.col_shares * split.tiles_per_share * kTileRows;
       const int64_t m1 = std::min(m, m0 + split.tiles_per_share * kTileRows);
       if (b0 >= b1 || m0 >= m1) continue;
-      std::unique_ptr<ArgmaxChunk> chunk(argmax ? new ArgmaxChunk(m) : nullptr);
+      std::unique_ptr<ArgmaxChunk> chunk(argmax ? argmax->chunk() : nullptr);
       for (int64_t r_task = m0; r_task < m1; r_task += kTaskRows) {
         const int64_t r_end = std::min(m1, r_task + kTaskRows);
         const int64_t tiles = (r_end - r_task + kTileRows - 1) / kTileRows;
@@ -341,7 +341,7 @@ void amx_gemm(
   at::parallel_for(0, row_blocks * n_pairs, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
     alignas(64) float c[4][16 * 16];
-    std::unique_ptr<ArgmaxChunk> chunk(argmax ? new ArgmaxChunk(m) : nullptr);
+    std::unique_ptr<ArgmaxChunk> chunk(argmax ? argmax->chunk() : nullptr);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t np_i = task % n_pairs, mt0 = (task / n_pairs) * block_tiles;
       const int64_t mt_end = std::min(m_tiles, mt0 + block_tiles);
@@ -500,6 +500,22 @@ std::tuple<at::Tensor, at::Tensor> linear_bf16_argmax(const at::Tensor& x, const
   return {out, ids};
 }
 
+// (fp32 logits as linear_bf16(..., f32_out=True) stores them, each row's maximum of every 16 of
+// them [M, ceil(n / 16)], NaN where one of the 16 is NaN), from the store epilogue: what a top-k /
+// top-p draw's head pass reads instead of the logits the lm_head has just written past the caches
+// (tessera.engine.candidates.draw_kept).
+std::tuple<at::Tensor, at::Tensor> linear_bf16_maxima(const at::Tensor& x, const at::Tensor& packed,
+                                                      const c10::optional<at::Tensor>& bias, int64_t n,
+                                                      int64_t arithmetic) {
+  TORCH_CHECK(x.dim() == 2, "linear_bf16_maxima: x must be [M, K]");
+  const int64_t m = x.size(0), blocks = (n + 15) / 16;
+  auto maxima = at::empty({m, blocks}, x.options().dtype(at::kFloat));
+  ArgmaxCollector collector(m);
+  collector.keep_maxima(maxima.data_ptr<float>(), blocks, false);
+  auto out = linear_bf16_impl(x, packed, bias, n, true, arithmetic, &collector);
+  return {out, maxima};
+}
+
 #pragma GCC pop_options
 
 // AVX2 without AVX-512 (Zen 3): the float32 linears run f32_gemm_avx2.cpp's register tiles (the
@@ -626,6 +642,7 @@ TORCH_LIBRARY(tessera_inv, m) {
   m.def("linear_f32(Tensor x, Tensor wt, Tensor? bias, int n) -> Tensor");
   m.def("linear_f32_pairs(Tensor x, Tensor wt, Tensor? bias, int n, bool silu) -> Tensor");
   m.def("linear_f32_blocks(Tensor x, Tensor blocks, Tensor? bias, int n, int format, int store) -> Tensor");
+  m.def("linear_bf16_maxima(Tensor x, Tensor packed, Tensor? bias, int n, int arithmetic=-1) -> (Tensor, Tensor)");
   m.def("linear_bf16_argmax(Tensor x, Tensor packed, Tensor? bias, int n, int arithmetic=-1, bool logits=True) "
         "-> (Tensor, Tensor)");
   m.def("linear_bf16_silu(Tensor x, Tensor packed, int n, int arithmetic=-1) -> Tensor");
@@ -637,5 +654,6 @@ TORCH_LIBRARY_IMPL(tessera_inv, CPU, m) {
   m.impl("linear_f32_pairs", &linear_f32_pairs);
   m.impl("linear_f32_blocks", &linear_f32_blocks);
   m.impl("linear_bf16_argmax", &linear_bf16_argmax);
+  m.impl("linear_bf16_maxima", &linear_bf16_maxima);
   m.impl("linear_bf16_silu", &linear_bf16_silu);
 }

@@ -86,6 +86,30 @@ inline float chunk_max(const float* p) {
   return lanes_max_in_order(lane);
 }
 
+// The width-th largest of v (the bound head_topk's chunks must reach): a min-heap of the largest
+// `width` seen, which a value enters only when it beats the heap's least. nth_element over the
+// 768 chunk maxima of a 49152-token row (unpredictable branches on every element) had been a
+// third of head_topk's time once the chunk maxima came from the lm_head (Zen 4). The value is
+// unique, so any exact selection gives the same bound; with a NaN among v (where neither
+// ordering is well defined) it stays nth_element's.
+inline float kth_largest(const std::vector<float>& v, int64_t width, std::vector<float>& scratch) {
+  const auto greater = std::greater<float>();
+  if (std::any_of(v.begin(), v.end(), [](float x) { return std::isnan(x); })) {
+    scratch = v;
+    std::nth_element(scratch.begin(), scratch.begin() + (width - 1), scratch.end(), greater);
+    return scratch[width - 1];
+  }
+  scratch.assign(v.begin(), v.begin() + width);
+  std::make_heap(scratch.begin(), scratch.end(), greater);  // the least of them in front
+  for (size_t i = width; i < v.size(); ++i)
+    if (v[i] > scratch.front()) {
+      std::pop_heap(scratch.begin(), scratch.end(), greater);
+      scratch.back() = v[i];
+      std::push_heap(scratch.begin(), scratch.end(), greater);
+    }
+  return scratch.front();
+}
+
 // Entries lo..hi-1 of row that are >= b (never a NaN), appended to v and id in index order. With
 // AVX-512 16 at a time (a compare and two compresses): the scalar loop's branch on every entry
 // of the ~70 chunks a row scans was a fifth of head_topk's time (Zen 4).
@@ -121,8 +145,14 @@ inline void take_at_least(const float* row, int64_t lo, int64_t hi, float b, std
 // as torch divides) and ordered by (quotient descending, id ascending): the exact order the
 // sampler's kept prefix needs (tessera.engine.candidates.head_in_order), which a torch sort of
 // int64 keys gave at 0.36 ms of a 32-row step on bf16-rounded logits (ties widen the head).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> head_topk(const at::Tensor& x, int64_t width,
-                                                         const c10::optional<at::Tensor>& temperature) {
+// maxima16 (optional, draw_kept_head's): each row's maximum of every 16 entries, NaN where one of
+// them is NaN (tessera_inv::linear_bf16_maxima, from the lm_head's store epilogue). A 64-entry
+// chunk's maximum is then the largest of its four, unless one is NaN or it is zero: only then is
+// the chunk read, for chunk_max's own NaN and signed-zero order. Otherwise chunk_max would return
+// that same value (its vector maximum, no lane NaN, not zero), so the head is the same.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> head_topk_with(const at::Tensor& x, int64_t width,
+                                                              const c10::optional<at::Tensor>& temperature,
+                                                              const float* maxima16) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "head_topk: x must be a 2-D float32 tensor");
   const at::Tensor xc = x.contiguous();
   const int64_t rows = xc.size(0), vocab = xc.size(1), num_chunks = (vocab + kChunk - 1) / kChunk;
@@ -144,20 +174,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> head_topk(const at::Tensor& x, in
     for (int64_t r = begin; r < end; ++r) {
       const float* row = data + r * vocab;
       const int64_t full = vocab / kChunk;
-      for (int64_t c = 0; c < full; ++c) maxima[c] = chunk_max(row + c * kChunk);
+      const float* hint = maxima16 ? maxima16 + r * ((vocab + 15) / 16) : nullptr;
+      for (int64_t c = 0; c < full; ++c) {
+        if (hint) {
+          const float* h = hint + c * (kChunk / 16);
+          const float m = std::max(std::max(h[0], h[1]), std::max(h[2], h[3]));
+          if (!std::isnan(h[0]) && !std::isnan(h[1]) && !std::isnan(h[2]) && !std::isnan(h[3]) && m != 0.0f) {
+            maxima[c] = m;
+            continue;
+          }
+        }
+        maxima[c] = chunk_max(row + c * kChunk);
+      }
       if (full < num_chunks) {  // the short last chunk
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t i = full * kChunk; i < vocab; ++i) m = row[i] > m ? row[i] : m;
         maxima[full] = m;
       }
-      order = maxima;
-      std::nth_element(order.begin(), order.begin() + (width - 1), order.end(), std::greater<float>());
-      const float b = order[width - 1];
+      const float b = kth_largest(maxima, width, order);
       bounds[r] = b;
       auto& v = values[r];
       auto& id = ids[r];
       v.reserve(2 * width);
       id.reserve(2 * width);
+      if (hint) {
+        // The chosen chunks were never read here: ask for all their lines first, so that the
+        // misses overlap (~70 chunks a row at scattered places, 4 lines each).
+        for (int64_t c = 0; c < num_chunks; ++c)
+          if (maxima[c] >= b)
+            for (int64_t l = 0; l < kChunk; l += 16) _mm_prefetch(reinterpret_cast<const char*>(row + c * kChunk + l), _MM_HINT_T0);
+      }
       for (int64_t c = 0; c < num_chunks; ++c) {
         if (!(maxima[c] >= b)) continue;
         const int64_t lo = c * kChunk, hi = std::min(vocab, lo + kChunk);
@@ -185,6 +231,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> head_topk(const at::Tensor& x, in
     std::copy(ids[r].begin(), ids[r].end(), oi + r * width_out);
   }
   return {out_values, out_ids, bound};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> head_topk(const at::Tensor& x, int64_t width,
+                                                         const c10::optional<at::Tensor>& temperature) {
+  return head_topk_with(x, width, temperature, nullptr);
 }
 
 // kept_head: tessera.engine.candidates._kept_within for a native head, row by row: the head in
@@ -263,11 +314,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kept_in_head(
   return {exact, ids, weights, num_kept};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kept_head_with(
+    const at::Tensor& x, const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
+    const at::Tensor& min_p, int64_t width, const at::Tensor& norm_max, const at::Tensor& norm_sum,
+    const float* maxima16) {
+  auto [scaled, ids, bound] = head_topk_with(x, width, temperature, maxima16);
+  return kept_in_head(scaled, ids, bound, temperature, top_k, top_p, min_p, x.size(1), norm_max, norm_sum);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kept_head(
     const at::Tensor& x, const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
     const at::Tensor& min_p, int64_t width, const at::Tensor& norm_max, const at::Tensor& norm_sum) {
-  auto [scaled, ids, bound] = head_topk(x, width, temperature);
-  return kept_in_head(scaled, ids, bound, temperature, top_k, top_p, min_p, x.size(1), norm_max, norm_sum);
+  return kept_head_with(x, temperature, top_k, top_p, min_p, width, norm_max, norm_sum, nullptr);
 }
 
 // draw_kept_head: kept_head, then each exact row's token from its kept prefix by the inverse CDF
@@ -278,10 +336,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kept_head(
 // right after the model those small ops ran 3-4x slower than in a loop (cold caches).
 at::Tensor draw_kept_head(const at::Tensor& x, const at::Tensor& temperature, const at::Tensor& top_k,
                           const at::Tensor& top_p, const at::Tensor& min_p, int64_t width, const at::Tensor& norm_max,
-                          const at::Tensor& norm_sum, const at::Tensor& uniforms) {
+                          const at::Tensor& norm_sum, const at::Tensor& uniforms,
+                          const c10::optional<at::Tensor>& maxima16) {
   const int64_t rows = x.size(0);
   TORCH_CHECK(uniforms.numel() == rows, "draw_kept_head: one uniform per row");
-  auto [exact, ids, weights, num_kept] = kept_head(x, temperature, top_k, top_p, min_p, width, norm_max, norm_sum);
+  const float* hint = nullptr;
+  if (maxima16.has_value() && maxima16->defined()) {
+    TORCH_CHECK(x.dim() == 2 && maxima16->scalar_type() == at::kFloat && maxima16->is_contiguous() &&
+                    maxima16->dim() == 2 && maxima16->size(0) == rows && maxima16->size(1) == (x.size(1) + 15) / 16,
+                "draw_kept_head: maxima16 must be contiguous float32 [rows, ceil(vocab / 16)]");
+    hint = maxima16->data_ptr<float>();
+  }
+  auto [exact, ids, weights, num_kept] =
+      kept_head_with(x, temperature, top_k, top_p, min_p, width, norm_max, norm_sum, hint);
   const at::Tensor u = uniforms.to(at::kDouble).contiguous();
   auto tokens = at::empty({rows}, ids.options());
   const int64_t w = ids.size(1);
@@ -383,7 +450,7 @@ TORCH_LIBRARY_FRAGMENT(tessera_inv, m) {
   m.def("kept_head(Tensor x, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, int width, "
         "Tensor norm_max, Tensor norm_sum) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("draw_kept_head(Tensor x, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, int width, "
-        "Tensor norm_max, Tensor norm_sum, Tensor uniforms) -> Tensor");
+        "Tensor norm_max, Tensor norm_sum, Tensor uniforms, Tensor? maxima16=None) -> Tensor");
   m.def("kept_in_head(Tensor scaled, Tensor ids, Tensor? bound, Tensor temperature, Tensor top_k, Tensor top_p, "
         "Tensor min_p, int vocab, Tensor norm_max, Tensor norm_sum) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("sample_softmax(Tensor logits, Tensor temperature, Tensor uniforms) -> Tensor");

@@ -1133,7 +1133,7 @@ at::Tensor run(const at::Tensor& x, const Weight& w, int64_t nbk, bool logits = 
     thread_local std::vector<uint16_t> bbuf;
     if (bbuf.size() < size_t(kb * 4 * 512)) bbuf.resize(kb * 4 * 512);
     if (amx) configure_tiles(small ? m : 0);
-    std::unique_ptr<ArgmaxChunk> chunk(argmax ? new ArgmaxChunk(m) : nullptr);
+    std::unique_ptr<ArgmaxChunk> chunk(argmax ? argmax->chunk() : nullptr);
     const Out o{outp, dtype, logits, chunk.get()};
     int64_t run0 = -1, last = -2;  // the argmax chunk's run of consecutive pairs (none yet)
     for (int64_t self = t0; self < t1; ++self)
