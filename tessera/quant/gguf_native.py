@@ -12,7 +12,7 @@ so the mode gives that engine's tokens from a third of the memory (session 29). 
 with the native kernels (Zen 3 and Zen 4; AVX2 is enough) the file's codes and scales
 (Q4BlocksLinear, and Q8BlocksLinear for Q8_0): activations quantized to int8 per 32 and integer dot
 products, as llama.cpp and vLLM's GGUF kernels compute (gguf_int8_activations.py). On Zen 4 that
-read the default model's 120 layer linears at one row in 1.9 ms against 4.7 for the grouped INT4
+read the default model's 120 layer linears at one row in 1.2-2.0 ms against 4.7 for the grouped INT4
 AVX-512 arithmetic it replaced there (session 40). Without the native kernels they map onto the
 int4 kernel's format with group size 32 (scale d, zero point 0 or m + 8d): the codes are kept as
 they are, the scales rounded from float16 to bfloat16 (a relative change of at most 2^-8 per block
