@@ -12,6 +12,7 @@ import torch
 from tessera import kernels
 from tessera.engine import candidates
 from tessera.kernels import linear
+from tests.unit.test_sampler_candidates import mixed_filters
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the C++ kernels did not build here")
 
@@ -54,10 +55,7 @@ def test_the_draw_is_the_same_with_the_maxima_as_without(vocab):
     rows = 6
     logits = (torch.randn(rows, vocab, generator=g) * 3).bfloat16().float()  # bf16 ties, as an lm_head gives
     logits[1, :640] = 0.0  # zero chunks: their maximum is 0, which the head pass re-reads
-    temperature = torch.tensor([1.0, 0.7, 1.3, 0.9, 0.5, 1.1])
-    top_k = torch.tensor([1, 7, 50, vocab, vocab, 20])
-    top_p = torch.tensor([1.0, 0.9, 0.5, 0.3, 0.97, 1.0])
-    min_p = torch.tensor([0.0, 0.05, 0.0, 0.0, 0.01, 0.2])
+    temperature, top_k, top_p, min_p = mixed_filters(vocab)
     hint = _block_maxima(logits)
     odd = hint.clone()
     top = int(logits[2].argmax()) // 64 * 4

@@ -23,6 +23,13 @@ def reference_kept(row: torch.Tensor, temperature: float, top_k: int, top_p: flo
     return reference_keep([e / total for e in exps], top_k, top_p, min_p)
 
 
+def mixed_filters(vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(temperature, top_k, top_p, min_p) of six rows: greedy-like top-k 1, top-k + top-p + min-p,
+    top-k + top-p, top-p alone (twice, one with min-p) and top-k + min-p."""
+    return (torch.tensor([1.0, 0.7, 1.3, 0.9, 0.5, 1.1]), torch.tensor([1, 7, 50, vocab, vocab, 20]),
+            torch.tensor([1.0, 0.9, 0.5, 0.3, 0.97, 1.0]), torch.tensor([0.0, 0.05, 0.0, 0.0, 0.01, 0.2]))
+
+
 def random_rows(seed: int, rows: int, vocab: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, vocab, generator=gen) * (0.5 + 4 * seed % 5)
@@ -221,10 +228,7 @@ def test_native_kept_head_equals_the_torch_ops(vocab, monkeypatch):
         pytest.skip("the native sampling ops are not built here")
     for seed in range(3):
         x = random_rows(seed * 11 + vocab, 6, vocab)
-        temperature = torch.tensor([1.0, 0.7, 1.3, 0.9, 0.5, 1.1])
-        top_k = torch.tensor([1, 7, 50, vocab, vocab, 20])
-        top_p = torch.tensor([1.0, 0.9, 0.5, 0.3, 0.97, 1.0])
-        min_p = torch.tensor([0.0, 0.05, 0.0, 0.0, 0.01, 0.2])
+        temperature, top_k, top_p, min_p = mixed_filters(vocab)
         norm = candidates._row_normalizers(x, temperature, (top_k >= vocab) & (top_p < 1.0))
         for width in (17, 66):
             exact, got = candidates._kept_within(x, temperature, top_k, top_p, min_p, width, norm)
@@ -253,10 +257,7 @@ def test_draw_kept_equals_the_draw_from_the_kept_prefix(vocab):
     handed_back = drawn = 0
     for seed in range(3):
         x = random_rows(seed * 13 + vocab, 6, vocab)
-        temperature = torch.tensor([1.0, 0.7, 1.3, 0.9, 0.5, 1.1])
-        top_k = torch.tensor([1, 7, 50, vocab, vocab, 20])
-        top_p = torch.tensor([1.0, 0.9, 0.5, 0.3, 0.97, 1.0])
-        min_p = torch.tensor([0.0, 0.05, 0.0, 0.0, 0.01, 0.2])
+        temperature, top_k, top_p, min_p = mixed_filters(vocab)
         filters = (temperature, top_k, top_p, min_p)
         prefix = kept_prefix(x, *filters)
         cdf = prefix.weights.cumsum(-1)

@@ -76,6 +76,16 @@ bool avx512(at::ScalarType dtype) {
 
 constexpr int64_t kGrain = 16;  // rows per parallel task: small batches stay on one thread
 
+// 1 / sqrt(mean of squares + eps) from 16 lanes of sums of squares, summed by a fixed tree (both
+// norms below).
+inline __m512 inv_rms(__m512 sq, int64_t d, float eps) {
+  alignas(64) float part[16];
+  _mm512_store_ps(part, sq);
+  for (int step = 8; step > 0; step /= 2)
+    for (int j = 0; j < step; ++j) part[j] += part[j + step];
+  return _mm512_set1_ps(1.0f / std::sqrt(part[0] / static_cast<float>(d) + eps));
+}
+
 template <typename T>
 void add_rms_norm_rows(const T* x, const T* res, const T* w, T* out, T* sum_out, int64_t rows, int64_t d,
                        float eps) {
@@ -95,11 +105,7 @@ void add_rms_norm_rows(const T* x, const T* res, const T* w, T* out, T* sum_out,
         }
         sq = _mm512_fmadd_ps(v, v, sq);
       }
-      alignas(64) float part[16];
-      _mm512_store_ps(part, sq);
-      for (int step = 8; step > 0; step /= 2)
-        for (int j = 0; j < step; ++j) part[j] += part[j + step];
-      const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(part[0] / static_cast<float>(d) + eps));
+      const __m512 inv = inv_rms(sq, d, eps);
       const T* src = res ? s : xr;
       for (int64_t i = 0; i < d; i += 16) {
         const __mmask16 m = tail_mask(d - i);
@@ -152,11 +158,7 @@ void gemma_rms_norm_rows(const T* x, const float* scale, T* out, int64_t rows, i
         const __m512 v = load16(xr + i, tail_mask(d - i));
         sq = _mm512_fmadd_ps(v, v, sq);
       }
-      alignas(64) float part[16];
-      _mm512_store_ps(part, sq);
-      for (int step = 8; step > 0; step /= 2)
-        for (int j = 0; j < step; ++j) part[j] += part[j + step];
-      const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(part[0] / static_cast<float>(d) + eps));
+      const __m512 inv = inv_rms(sq, d, eps);
       for (int64_t i = 0; i < d; i += 16) {
         const __mmask16 m = tail_mask(d - i);
         store16(o + i, _mm512_mul_ps(_mm512_mul_ps(load16(xr + i, m), inv), load16(scale + i, m)), m);
