@@ -91,9 +91,8 @@ class ModelRunner:
         self.device = self.kv_caches[0][0].device
         self.decode_graphs = None  # tessera.engine.cuda_graphs.DecodeGraphs, once captured
         # The last logits' column maxima from the lm_head's kernel (chunk_maxima), with the logits
-        # they belong to (a weak reference) and that tensor's version then (None: an inference
-        # tensor, which keeps none).
-        self._maxima: tuple[weakref.ref, int | None, torch.Tensor] | None = None
+        # they belong to (a weak reference).
+        self._maxima: tuple[weakref.ref, torch.Tensor] | None = None
 
     def capture_decode_graphs(self, max_model_len: int, max_num_seqs: int, capture: bool = True) -> None:
         """Capture the decode forward in CUDA graphs, one per batch-size bucket (see
@@ -226,19 +225,17 @@ class ModelRunner:
         if argmax:
             return self.model.compute_logits_argmax(rows, logits)
         out, maxima = self.model.compute_logits_maxima(rows)
-        version = None if out.is_inference() else out._version
-        self._maxima = None if maxima is None else (weakref.ref(out), version, maxima)
+        self._maxima = None if maxima is None else (weakref.ref(out), maxima)
         return out, None
 
     def chunk_maxima(self, logits: torch.Tensor) -> torch.Tensor | None:
         """Each row's maximum of every 16 entries of `logits` [S, vocab] (NaN where one is NaN), as
         the lm_head's kernel found them while it stored these logits (a bf16 InvariantLinear's
-        epilogue), or None: other logits, logits changed since, or no such kernel. What a top-k /
-        top-p draw's head pass reads instead of the whole logits (Sampler.sample's chunk_maxima).
-        The logits of a step are inference tensors, which keep no version: for those the identity
-        alone vouches, as for the lm_head's argmax ids (nothing between the step and its sampler
-        writes into them)."""
+        epilogue), or None: other logits, or no such kernel. What a top-k / top-p draw's head pass
+        reads instead of the whole logits (Sampler.sample's chunk_maxima). The logits are inference
+        tensors, which keep no version counter: their identity vouches, as for the lm_head's argmax
+        ids (nothing between the step and its sampler writes into them)."""
         if self._maxima is None:
             return None
-        ref, version, maxima = self._maxima
-        return maxima if ref() is logits and (version is None or logits._version == version) else None
+        ref, maxima = self._maxima
+        return maxima if ref() is logits else None

@@ -4,9 +4,9 @@ The arithmetic llama.cpp and vLLM's GGUF kernels use: each row of x is quantized
 (d_x = amax / 127, round to nearest even: llama.cpp's Q8_1) and the code products are summed in
 integers; per block W.x = d d_x sum q q_x (+ m s_x for W = d q + m: Q4_1, and Q4_0 with m = -8 d,
 exact in float16; s_x = d_x sum q_x). The kernels (tessera_gemv.q4x8 and q8x8,
-quant/csrc/gemv_x8.h, in both builds of tessera_gemv) take the codes in groups of 8 rows interleaved so that one vector lane
-holds one row (their layout comments say how); `pack_q4x8` / `pack_q8x8` write those layouts from
-the file's blocks and the `unpack_*` functions read them back.
+quant/csrc/gemv_x8.h, in both builds of tessera_gemv) take the codes in groups of 8 rows
+interleaved so that one vector lane holds one row (their layout comments say how); `pack_q4x8` /
+`pack_q8x8` write those layouts from the file's blocks and the `unpack_*` functions read them back.
 
 Against x @ dequantize().T the kernels add the activation rounding: at most d_x / 2 per element,
 about 2^-8 of a block's largest activation. Every row count takes the same kernel and a row's
