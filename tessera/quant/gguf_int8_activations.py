@@ -1,4 +1,4 @@
-"""GGUF Q4_0 / Q4_1 / Q8_0 weights on int8 activations, for x86 CPUs without AMX (Zen 3, Zen 4).
+"""GGUF weights on int8 activations, for x86 CPUs without AMX (Zen 3, Zen 4).
 
 The arithmetic llama.cpp and vLLM's GGUF kernels use: each row of x is quantized per 32 to int8
 (d_x = amax / 127, round to nearest even: llama.cpp's Q8_1) and the code products are summed in
@@ -7,6 +7,15 @@ exact in float16; s_x = d_x sum q_x). The kernels (tessera_gemv.q4x8 and q8x8,
 quant/csrc/gemv_x8.h, in both builds of tessera_gemv) take the codes in groups of 8 rows
 interleaved so that one vector lane holds one row (their layout comments say how); `pack_q4x8` /
 `pack_q8x8` write those layouts from the file's blocks and the `unpack_*` functions read them back.
+
+Every block type maps onto the two kernels exactly, with its scales as float16 (the file's own) or
+float32 (products d * sc of a float16 and a small integer, exact in float32):
+- Q4_0, Q4_1: q4x8, W = d q + m per 32 (float16 d, m);
+- Q4_K: q4x8, W = (d sc) q - dmin mn per 32-weight sub-block (float32);
+- Q8_0: q8x8, W = d q per 32 (float16);
+- Q5_0: q8x8 with the 5-bit codes less 16 as int8, W = d (q - 16) per 32 (float16): 8.5 bits a weight
+  where the file has 5.5, for one kernel that reads them at the memory's rate;
+- Q6_K: q8x8 with the 6-bit codes less 32, W = (d scale) (q - 32) per 16 (float32).
 
 Against x @ dequantize().T the kernels add the activation rounding: at most d_x / 2 per element,
 about 2^-8 of a block's largest activation. Every row count takes the same kernel and a row's
@@ -48,9 +57,10 @@ def file_codes(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([b & 15, b >> 4], dim=-1).view(qs.shape[0], -1)
 
 
-def pack_q4x8(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def pack_q4x8(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+              scale_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, ...]:
     """codes uint8 [N, K] in 0..15, d and m [N, K / 32] -> the kernel's (qs [G, K / 32, 128], d, m
-    float16 [G, K / 32, 8]), G = ceil(N / 8); padding rows are zero codes and scales."""
+    [G, K / 32, 8] in scale_dtype), G = ceil(N / 8); padding rows are zero codes and scales."""
     n, k = codes.shape
     pad = -n % GROUP
     if pad:
@@ -61,23 +71,28 @@ def pack_q4x8(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[to
     c = codes.view(g, GROUP, nb, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
     qs = (c[..., 0] | (c[..., 1] << 4)).contiguous().view(g, nb, 128)
 
-    def scales(t: torch.Tensor) -> torch.Tensor:
-        return t.to(torch.float16).view(g, GROUP, nb).transpose(1, 2).contiguous()
-
-    return qs, scales(d), scales(m)
+    return qs, _group_scales(d, g, scale_dtype), _group_scales(m, g, scale_dtype)
 
 
-def pack_q8x8(codes: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 codes [N, K], d [N, K / 32] -> the kernel's (qs uint8 [G, K / 32, 256], d float16
-    [G, K / 32, 8]); padding rows are zero."""
+def _group_scales(t: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """Per-row scales [8 G, S] -> the kernels' [G, S, 8] (a group's 8 rows together) in `dtype`."""
+    return t.to(dtype).view(groups, GROUP, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def pack_q8x8(codes: torch.Tensor, d: torch.Tensor,
+              scale_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes [N, K], d [N, K / 32] (a scale per 32) or [N, K / 16] (per 16) -> the kernel's
+    (qs uint8 [G, K / 32, 256], d [G, K / 32 or K / 16, 8] in scale_dtype); padding rows are zero."""
     n, k = codes.shape
+    if d.shape[1] not in (k // BLOCK, 2 * k // BLOCK):
+        raise ValueError(f"pack_q8x8: {d.shape[1]} scales a row for {k} weights; one per 32 or per 16")
     pad = -n % GROUP
     if pad:
         codes, d = torch.cat([codes, codes.new_zeros(pad, k)]), torch.cat([d, d.new_zeros(pad, d.shape[1])])
     g, nb = (n + pad) // GROUP, k // BLOCK
     # [group, row i, block, vector j, t] -> [group, block, j, i, t]
     qs = codes.view(torch.uint8).view(g, GROUP, nb, 8, 4).permute(0, 2, 3, 1, 4).contiguous().view(g, nb, 256)
-    return qs, d.to(torch.float16).view(g, GROUP, nb).transpose(1, 2).contiguous()
+    return qs, _group_scales(d, g, scale_dtype)
 
 
 def unpack_q8x8(qs: torch.Tensor) -> torch.Tensor:
@@ -143,12 +158,22 @@ class _Int8ActivationLinear(QuantLinear):
 
 
 class Q4BlocksLinear(_Int8ActivationLinear):
-    """A GGUF Q4_0 or Q4_1 weight in the q4x8 layout: W = d q + m."""
+    """A GGUF Q4_0, Q4_1 or Q4_K weight in the q4x8 layout: W = d q + m per 32."""
 
     def __init__(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
-        """qs: the file's codes uint8 [N, K / 2]; d, m: [N, K / 32]."""
-        super().__init__(qs.shape[0], 2 * qs.shape[1])
-        packed, dp, mp = pack_q4x8(file_codes(qs), d, m)
+        """qs: the file's Q4_0 / Q4_1 codes uint8 [N, K / 2]; d, m: [N, K / 32] (float16 values)."""
+        self._init(file_codes(qs), d, m, torch.float16)
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Q4BlocksLinear:
+        """codes uint8 [N, K] in 0..15; d, m float32 [N, K / 32] (Q4_K's d sc and -dmin mn)."""
+        layer = cls.__new__(cls)
+        layer._init(codes, d, m, torch.float32)
+        return layer
+
+    def _init(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, scale_dtype: torch.dtype) -> None:
+        super().__init__(*codes.shape)
+        packed, dp, mp = pack_q4x8(codes, d, m, scale_dtype)
         self.register_buffer("qs", packed)
         self.register_buffer("d", dp)
         self.register_buffer("m", mp)
@@ -164,19 +189,47 @@ class Q4BlocksLinear(_Int8ActivationLinear):
 
 
 class Q8BlocksLinear(_Int8ActivationLinear):
-    """A GGUF Q8_0 weight in the q8x8 layout: W = d q."""
+    """A GGUF Q8_0, Q5_0 or Q6_K weight in the q8x8 layout: W = d q, a scale per 32 or per 16."""
 
-    def __init__(self, codes: torch.Tensor, d: torch.Tensor) -> None:
-        """codes: int8 [N, K]; d: [N, K / 32] (the file's float16 scales)."""
+    def __init__(self, codes: torch.Tensor, d: torch.Tensor, scale_dtype: torch.dtype = torch.float16) -> None:
+        """codes: int8 [N, K]; d: [N, K / 32] or [N, K / 16], exact in scale_dtype (float16: the
+        file's own scales; float32: Q6_K's d * scale)."""
         super().__init__(*codes.shape)
-        packed, dp = pack_q8x8(codes, d)
+        packed, dp = pack_q8x8(codes, d, scale_dtype)
         self.register_buffer("qs", packed)
         self.register_buffer("d", dp)
 
     def _groups(self, g: torch.Tensor | slice) -> torch.Tensor:
         q = unpack_q8x8(self.qs[g]).float()
-        rows = q.shape[0]
-        return (q.view(rows, -1, BLOCK) * _row_scales(self.d[g])[..., None]).view(rows, -1)
+        rows, per = q.shape[0], self.in_features // self.d.shape[1]
+        return (q.view(rows, -1, per) * _row_scales(self.d[g])[..., None]).view(rows, -1)
 
     def _native(self, x: torch.Tensor) -> torch.Tensor:
         return native_gemv.gemv_q8x8(x, self.qs, self.d)
+
+
+def kquant_parts(raw: torch.Tensor, qtype) -> tuple | None:
+    """A Q5_0, Q4_K or Q6_K tensor's block bytes uint8 [N, bytes per row] as the parts of a layer on
+    int8 activations: ("q8_blocks", codes, d), ("q8_blocks16", codes, d) or ("q4_codes", codes, d, m)
+    (gguf_native._layer builds it); None for another type. The codes and scales are exactly those
+    of gguf_kquant's decoders, which equal the `gguf` package's dequantization bit for bit."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.constants import GGML_QUANT_SIZES
+
+    from tessera.quant import gguf_kquant as kq
+
+    if qtype not in (Q.Q5_0, Q.Q4_K, Q.Q6_K):
+        return None
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, GGML_QUANT_SIZES[qtype][1])
+    if qtype == Q.Q5_0:  # W = d (q - 16): int8 codes in -16..15, the file's float16 d
+        codes = (kq._q5_codes(b[..., 2:6], b[..., 6:22]) - 16).to(torch.int8)
+        return "q8_blocks", codes.reshape(rows, -1), kq._f16(b[..., 0:2])[..., 0]
+    if qtype == Q.Q4_K:  # W = (d sc) q - dmin mn per 32: q4x8 with float32 d and m
+        scale, offset = kq._k_scales(b)
+        codes = kq._nibble_subblocks(b[..., 16:144])
+        return "q4_codes", codes.reshape(rows, -1), scale.reshape(rows, -1), -offset.reshape(rows, -1)
+    # Q6_K: W = (d scale) (q - 32) per 16
+    codes = (kq._q6_codes(b) - 32).reshape(rows, -1)
+    d = kq._f16(b[..., 208:210]) * b[..., 192:208].contiguous().view(torch.int8).float()
+    return "q8_blocks16", codes, d.reshape(rows, -1)

@@ -20,8 +20,9 @@ scale, far below the 4-bit step).
 Q8_0 (where not on int8 activations as above) keeps its int8 codes and float16 scales as they are:
 the batch-invariant kernel where it exists, the float32 C++ GEMV at decode sizes, else row tiles of
 about 2 MiB dequantized into the activation dtype for each call.
-Q5_0, Q5_1, Q4_K, Q5_K and Q6_K tensors keep their file bytes and decode row tiles per call
-(gguf_kquant.py). A fused slot (qkv, gate_up) whose parts have different block types becomes a
+Q5_0, Q4_K and Q6_K tensors go on int8 activations too where Q4_0 / Q4_1 / Q8_0 do
+(gguf_int8_activations.kquant_parts: Q5_0 and Q6_K as int8 codes on q8x8, Q4_K on q4x8). Elsewhere,
+and Q5_1 / Q5_K everywhere, they keep their file bytes and decode per tile (gguf_kquant.py). A fused slot (qkv, gate_up) whose parts have different block types becomes a
 `ConcatLinear` of one layer per part. Float tensors keep the float weight the loader made.
 In gguf mode the lm_head is always built from the file's blocks (token_embd when tied), and the
 embedding lookup dequantizes only the rows it looks up (gguf_embedding.py).
@@ -36,7 +37,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from tessera.quant import invariant, native_gemv
-from tessera.quant.gguf_int8_activations import Q4BlocksLinear, Q8BlocksLinear, decode_q4_blocks
+from tessera.quant.gguf_int8_activations import Q4BlocksLinear, Q8BlocksLinear, decode_q4_blocks, kquant_parts
 from tessera.quant.gguf_kquant import KQUANT_TYPES, GGUFBlockLinear
 from tessera.quant.int4 import Int4Linear
 from tessera.quant.linear import QuantLinear, tile_rows_for, tiled_matmul
@@ -188,11 +189,14 @@ def on_int8_activations() -> bool:
 
 def _decode(tensor) -> tuple | None:
     """A GGUF tensor as ("int4", codes, scale, zero), ("q8_0", codes, d), ("q4_blocks", qs, d, m),
-    ("q8_blocks", codes, d) or (type name, raw block bytes uint8 [rows, bytes per row]); None if
-    not native."""
+    ("q8_blocks", codes, d), one of kquant_parts' kinds or (type name, raw block bytes uint8 [rows,
+    bytes per row]); None if not native."""
     rows = int(np.prod(tensor.shape[1:]))  # GGUF lists dims innermost first
     if tensor.tensor_type in KQUANT_TYPES:
-        return (tensor.tensor_type.name, raw_rows(tensor))
+        raw = raw_rows(tensor)
+        if on_int8_activations() and (parts := kquant_parts(raw, tensor.tensor_type)) is not None:
+            return parts
+        return (tensor.tensor_type.name, raw)
     if tensor.tensor_type in (Q.Q4_0, Q.Q4_1) and invariant.enabled() and invariant.cpu_has_amx():
         # The KQ kernel on AMX: W = d q (- 8 d | + m) in float32, the file's own dequantization
         # exactly, then bf16 per tile, as the bf16 engine's weight (so the same tokens as
@@ -224,6 +228,10 @@ def _layer(kind: str, parts: list[torch.Tensor]) -> QuantLinear:
         return Q4BlocksLinear(*parts)
     if kind == "q8_blocks":
         return Q8BlocksLinear(*parts)
+    if kind == "q8_blocks16":
+        return Q8BlocksLinear(*parts, scale_dtype=torch.float32)
+    if kind == "q4_codes":
+        return Q4BlocksLinear.from_codes(*parts)
     return GGUFBlockLinear(*parts, Q[kind])
 
 

@@ -87,3 +87,28 @@ def test_perplexity_of_the_shipped_text_matches_transformers(llm, hf_model):
     ref = math.exp(float(F.cross_entropy(logits[:-1], torch.tensor(ids[1:]))))
     assert ours.num_scored == len(ids) - 1
     assert ours.perplexity == pytest.approx(ref, rel=1e-4)
+
+
+@pytest.fixture(scope="module")
+def gguf_llm(gemma_path):
+    return LLM(str(gemma_path), dtype="float32", quantization="gguf", kv_cache_memory=256 << 20)
+
+
+def test_gguf_mode_perplexity_is_within_2_percent_of_transformers(gguf_llm, hf_model):
+    """--quantization gguf computes every linear from the file's blocks (Q5_0, Q4_K, Q6_K and the tied
+    Q8_0 lm_head); on x86 without AMX on int8 activations, llama.cpp's arithmetic, whose rounding of x
+    moves the perplexity (0.9% on Zen 4) where a broken kernel would move it by far more."""
+    from tessera.quant.gguf_int8_activations import Q4BlocksLinear, Q8BlocksLinear
+    from tessera.quant.gguf_native import ConcatLinear, on_int8_activations
+    from tessera.quant.linear import QuantLinear
+
+    model = gguf_llm.engine.runner.model
+    if on_int8_activations():
+        layers = [m for m in model.modules() if isinstance(m, QuantLinear) and not isinstance(m, ConcatLinear)]
+        assert len(layers) >= 18 * 4 + 1 and all(isinstance(m, Q4BlocksLinear | Q8BlocksLinear) for m in layers)
+    ids = text_token_ids(gguf_llm.get_tokenizer())[:300]
+    ours = perplexity(model, ids, window=300, stride=299)
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([ids])).logits[0].float()
+    ref = math.exp(float(F.cross_entropy(logits[:-1], torch.tensor(ids[1:]))))
+    assert ours.perplexity == pytest.approx(ref, rel=0.02)

@@ -17,6 +17,7 @@ from tessera.quant.gguf_int8_activations import (
     Q4BlocksLinear,
     Q8BlocksLinear,
     decode_q4_blocks,
+    kquant_parts,
     pack_q4x8,
     pack_q8x8,
     unpack_q4x8,
@@ -142,3 +143,68 @@ def test_kernel_rejects_bad_input():
         torch.ops.tessera_gemv.q4x8(torch.randn(1, 64), layer.qs, layer.d.float(), layer.m)
     with pytest.raises(RuntimeError, match=r"qs must be contiguous uint8 \[N / 8, K / 32, 256\]"):
         torch.ops.tessera_gemv.q8x8(torch.randn(1, 64), layer.qs, layer.d)
+
+
+# ---- Q5_0, Q4_K and Q6_K on the same two kernels (kquant_parts) ---------------------------------
+
+KQUANT_ON_X8 = [Q.Q5_0, Q.Q4_K, Q.Q6_K]
+
+
+def kquant_layer(qtype: Q, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, Q4BlocksLinear | Q8BlocksLinear]:
+    """Random block bytes (every code and scale pattern) and the layer kquant_parts builds from them."""
+    from tessera.quant.gguf_native import _layer
+    from tests.unit.test_gguf_kquant import random_blocks
+
+    raw = random_blocks(qtype, n, k, seed)
+    kind, *parts = kquant_parts(torch.from_numpy(raw.copy()), qtype)
+    return raw, _layer(kind, parts)
+
+
+@pytest.mark.parametrize("qtype", KQUANT_ON_X8)
+def test_kquant_layer_holds_the_files_weight_bit_for_bit(qtype):
+    raw, layer = kquant_layer(qtype, 37, 512)
+    want = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
+    assert torch.equal(layer.dequantize().view(torch.int32), want.view(torch.int32))
+    ids = torch.tensor([[36, 0], [9, 9]])
+    assert torch.equal(layer.dequantize_rows(ids), want[ids])
+    # Q5_0 as int8 codes with its float16 d (8.5 bits a weight); Q6_K's d * scale per 16 and Q4_K's
+    # d * sc and dmin * mn per 32 in float32, exact there.
+    assert layer.d.dtype == (torch.float16 if qtype == Q.Q5_0 else torch.float32)
+    assert layer.d.shape[1] == 512 // (16 if qtype == Q.Q6_K else 32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", KQUANT_ON_X8)
+@pytest.mark.parametrize("n,k", [(64, 512), (37, 256), (200, 1536)])
+@pytest.mark.parametrize("m", [1, 5, 9])
+def test_kquant_kernel_is_the_weight_times_the_int8_rounded_activations(qtype, n, k, m):
+    """The kernel's integer sums are exact, so against the file's weight (gguf's dequantization) times x
+    rounded per 32 to int8 (llama.cpp's Q8_1), computed in float64, only float32 rounding is left."""
+    raw, layer = kquant_layer(qtype, n, k, seed=n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+    qx, dx = q8_1(x)
+    x_rounded = (qx.double() * dx.double()[..., None]).view(m, k)
+    want = x_rounded @ torch.from_numpy(gguf.quants.dequantize(raw, qtype)).double().t()
+    got = layer(x, kernel="native")
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    scale = float((x_rounded.abs() @ torch.from_numpy(gguf.quants.dequantize(raw, qtype)).double().abs().t()).max())
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6 * scale)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", KQUANT_ON_X8)
+def test_kquant_rows_do_not_depend_on_the_batch(qtype):
+    _, layer = kquant_layer(qtype, 96, 512, seed=11)
+    x = torch.randn(20, 512, generator=torch.Generator().manual_seed(20))
+    together = layer(x, kernel="native")
+    for i in (0, 8, 19):
+        assert torch.equal(layer(x[i : i + 1], kernel="native"), together[i : i + 1])
+
+
+def test_q8x8_layout_takes_a_scale_per_32_or_per_16_only():
+    with pytest.raises(ValueError, match="one per 32 or per 16"):
+        pack_q8x8(torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 8))
+
+
+def test_other_block_types_have_no_kquant_parts():
+    assert kquant_parts(torch.zeros(1, 24, dtype=torch.uint8), Q.Q5_1) is None

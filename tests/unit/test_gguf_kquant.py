@@ -23,6 +23,7 @@ from tessera.model.llama import LlamaForCausalLM
 from tessera.model.weights import load_model_files
 from tessera.quant import QuantLinear, invariant, native_gemv, quantize_model
 from tessera.quant.gguf_embedding import QuantEmbedding, dequantize_rows
+from tessera.quant.gguf_int8_activations import Q8BlocksLinear
 from tessera.quant.gguf_kquant import KQUANT_TYPES, GGUFBlockLinear, decode_rows
 from tessera.quant.gguf_native import ConcatLinear, Q8_0Linear, decode_q8_0, on_int8_activations
 from tessera.quant.int4 import Int4Linear
@@ -168,7 +169,7 @@ def test_gguf_mode_lm_head_and_embedding_from_blocks(tiny_model_factory, tmp_pat
     if tied:
         assert model.embed_tokens.layer is model.lm_head
     got, want = prefill_and_decode_logits(model, PROMPT), prefill_and_decode_logits(ref, PROMPT)
-    int8_activations = on_int8_activations() and qtype in (Q.Q4_1, Q.Q8_0)
+    int8_activations = on_int8_activations() and qtype in (Q.Q4_1, Q.Q8_0, Q.Q5_0)
     if qtype == Q.Q4_1 or int8_activations:  # bf16 scales on the int4 kernel, or x rounded to int8
         assert F.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999
     else:  # the file's exact weights
@@ -218,11 +219,12 @@ def test_native_tensors_are_logged_with_the_memory_they_take(tiny_model_dir, tmp
     assert count == 7 * model.config.num_layers + 2
     assert mib == pytest.approx(sum(m.weight_bytes() for m in layers.values()) / 2**20, rel=1e-9)
     # ...which is the file's Q5_0 bytes (rows padded to 32 in the AMX tile order): 5.5 bits a weight;
-    # on the AVX2 tiles int8 codes in panel order (rows padded to 64): 8.5 bits.
+    # on int8 activations (x86 without AMX) int8 codes and float16 d in groups of 8 rows, and on the
+    # AVX2 tiles int8 codes in panel order (rows padded to 64): 8.5 bits.
     files = load_model_files(path)
     file_bytes = sum(t.n_bytes for t in files.reader.tensors if t.tensor_type == Q.Q5_0)
-    panels = any(getattr(m, "f32_blocks", None) is not None for m in layers.values())
-    assert file_bytes * (34 / 22 if panels else 1) <= mib * 2**20 <= file_bytes * (34 / 22 * 2 if panels else 1.3)
+    codes = any(isinstance(m, Q8BlocksLinear) or getattr(m, "f32_blocks", None) is not None for m in layers.values())
+    assert file_bytes * (34 / 22 if codes else 1) <= mib * 2**20 <= file_bytes * (34 / 22 * 2 if codes else 1.3)
 
 
 # ---- the C++ decode GEMV --------------------------------------------------------------------

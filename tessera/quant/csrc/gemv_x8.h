@@ -65,6 +65,13 @@ QuantizedX quantize_rows_q8_1(const float* x, int64_t m, int64_t k) {
   return out;
 }
 
+// A block's 8 scales (one per row of a group), from float16 (the file's own d, m) or float32 (the
+// K-quants' products d * sc, exact in float32 but not in float16).
+inline __m256 load_scales(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load_scales(const float* p) { return _mm256_loadu_ps(p); }
+
 inline __m256i bcast4(const int8_t* p) {  // 4 bytes into every 32-bit lane
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -73,13 +80,13 @@ inline __m256i bcast4(const int8_t* p) {  // 4 bytes into every 32-bit lane
 
 // Group g (8 weight rows) against M quantized activation rows. The int16 sums of a block's 8
 // VPMADDUBSW products stay below 8 * 2 * 15 * 127 = 30480: no saturation.
-template <int M>
-void q4x8_group(const int8_t* xq, const float* xd, const float* xs, const uint8_t* w, const uint16_t* d,
-                const uint16_t* mn, float* y, int64_t k, int64_t n, int64_t g) {
+template <int M, typename S>
+void q4x8_group(const int8_t* xq, const float* xd, const float* xs, const uint8_t* w, const S* d, const S* mn,
+                float* y, int64_t k, int64_t n, int64_t g) {
   const int64_t nb = k / 32;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const uint8_t* wg = w + g * nb * 128;
-  const uint16_t *dg = d + g * nb * 8, *mg = mn + g * nb * 8;
+  const S *dg = d + g * nb * 8, *mg = mn + g * nb * 8;
   __m256 acc[M], off[M];
   for (int i = 0; i < M; ++i) acc[i] = off[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -89,8 +96,7 @@ void q4x8_group(const int8_t* xq, const float* xd, const float* xs, const uint8_
       lo[j] = _mm256_and_si256(v, low);
       hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
     }
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dg + b * 8)));
-    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mg + b * 8)));
+    const __m256 dw = load_scales(dg + b * 8), mw = load_scales(mg + b * 8);
     for (int i = 0; i < M; ++i) {
       const int8_t* xb = xq + i * k + b * 32;
       __m256i p = _mm256_maddubs_epi16(lo[0], bcast4(xb));
@@ -109,32 +115,38 @@ void q4x8_group(const int8_t* xq, const float* xd, const float* xs, const uint8_
 
 // Group g of a Q8_0 weight in the q8x8 layout (gguf_int8_activations.pack_q8x8) against M quantized
 // activation rows: per group and block 256 bytes, eight 32-byte vectors j, byte 4 i + t of vector j
-// row i's code at k = 4 j + t; d float16 [N / 8, K / 32, 8]. VPMADDUBSW takes its unsigned operand
-// first, so |w| meets x with w's sign (VPSIGNB), as llama.cpp does: pair sums of at most
-// 2 * 128 * 127, no saturation, each vector's summed into int32.
-template <int M>
-void q8x8_group(const int8_t* xq, const float* xd, const uint8_t* w, const uint16_t* d, float* y, int64_t k,
+// row i's code at k = 4 j + t. VPMADDUBSW takes its unsigned operand first, so |w| meets x with w's
+// sign (VPSIGNB), as llama.cpp does: pair sums of at most 2 * 128 * 127, no saturation, each
+// vector's summed into int32. Scales (float16 or float32) per SUB weights: SUB = 32, d [N / 8, K / 32,
+// 8] (Q8_0, Q5_0's codes less 16); SUB = 16, d [N / 8, K / 16, 8] (Q6_K's d * scale): vectors 0-3
+// hold a block's first 16 weights, 4-7 the next, summed apart and scaled each by its own d.
+template <int M, typename S, int SUB>
+void q8x8_group(const int8_t* xq, const float* xd, const uint8_t* w, const S* d, float* y, int64_t k,
                 int64_t n, int64_t g) {
+  static_assert(SUB == 32 || SUB == 16);
+  constexpr int kParts = 32 / SUB, kVectors = 8 / kParts;
   const int64_t nb = k / 32;
   const __m256i ones = _mm256_set1_epi16(1);
   const uint8_t* wg = w + g * nb * 256;
-  const uint16_t* dg = d + g * nb * 8;
+  const S* dg = d + g * nb * kParts * 8;
   __m256 acc[M];
   for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i isum[M];
-    for (int i = 0; i < M; ++i) isum[i] = _mm256_setzero_si256();
-    for (int j = 0; j < 8; ++j) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + b * 256 + 32 * j));
-      const __m256i a = _mm256_abs_epi8(v);
-      for (int i = 0; i < M; ++i) {
-        const __m256i sx = _mm256_sign_epi8(bcast4(xq + i * k + b * 32 + 4 * j), v);
-        isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(a, sx), ones));
+    for (int part = 0; part < kParts; ++part) {
+      __m256i isum[M];
+      for (int i = 0; i < M; ++i) isum[i] = _mm256_setzero_si256();
+      for (int j = part * kVectors; j < (part + 1) * kVectors; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + b * 256 + 32 * j));
+        const __m256i a = _mm256_abs_epi8(v);
+        for (int i = 0; i < M; ++i) {
+          const __m256i sx = _mm256_sign_epi8(bcast4(xq + i * k + b * 32 + 4 * j), v);
+          isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(a, sx), ones));
+        }
       }
+      const __m256 dw = load_scales(dg + (b * kParts + part) * 8);
+      for (int i = 0; i < M; ++i)
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(dw, _mm256_set1_ps(xd[i * nb + b])), acc[i]);
     }
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dg + b * 8)));
-    for (int i = 0; i < M; ++i)
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(dw, _mm256_set1_ps(xd[i * nb + b])), acc[i]);
   }
   for (int i = 0; i < M; ++i) _mm256_storeu_ps(y + i * n + 8 * g, acc[i]);
 }
@@ -172,30 +184,53 @@ void check_x8(const char* op, const at::Tensor& x, int64_t k, const at::Tensor& 
               "tessera_gemv.", op, ": qs must be contiguous uint8 [N / 8, K / 32, ", block_bytes, "]");
 }
 
+template <typename S>
+const S* scales_of(const at::Tensor& t) {
+  if constexpr (std::is_same_v<S, float>) return t.data_ptr<float>();
+  else return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>());
+}
+
+// Float16 (the file's d, m) or float32 scales (the K-quants' products): fn.template operator()<S>().
+template <typename Fn>
+at::Tensor with_scale_type(const at::Tensor& d, Fn&& fn) {
+  if (d.scalar_type() == at::kFloat) return fn.template operator()<float>();
+  return fn.template operator()<uint16_t>();
+}
+
 at::Tensor gemv_q4x8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mn) {
   const int64_t groups = qs.size(0), nb = qs.size(1), k = 32 * nb;
   check_x8("q4x8", x, k, qs, 128);
   for (const at::Tensor* t : {&d, &mn})
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->numel() == 8 * groups * nb,
-                "tessera_gemv.q4x8: d and m must be contiguous float16 [N / 8, K / 32, 8]");
+    TORCH_CHECK((t->scalar_type() == at::kHalf || t->scalar_type() == at::kFloat) &&
+                    t->scalar_type() == d.scalar_type() && t->is_contiguous() && t->numel() == 8 * groups * nb,
+                "tessera_gemv.q4x8: d and m must be contiguous float16 or float32 (both the same) [N / 8, K / 32, 8]");
   const uint8_t* qp = qs.data_ptr<uint8_t>();
-  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
-  const uint16_t* mp = reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>());
   const int64_t n = 8 * groups;
-  return x8_groups(x, groups, k, nb * 128, [&]<int M>(const int8_t* xq, const float* xd, const float* xs, float* y,
-                                                       int64_t g) { q4x8_group<M>(xq, xd, xs, qp, dp, mp, y, k, n, g); });
+  return with_scale_type(d, [&]<typename S>() {
+    const S *dp = scales_of<S>(d), *mp = scales_of<S>(mn);
+    return x8_groups(x, groups, k, nb * 128, [&]<int M>(const int8_t* xq, const float* xd, const float* xs, float* y,
+                                                         int64_t g) { q4x8_group<M, S>(xq, xd, xs, qp, dp, mp, y, k, n, g); });
+  });
 }
 
+// d [N / 8, K / 32, 8]: a scale per 32 weights; [N / 8, K / 16, 8]: per 16 (Q6_K).
 at::Tensor gemv_q8x8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
   const int64_t groups = qs.size(0), nb = qs.size(1), k = 32 * nb;
   check_x8("q8x8", x, k, qs, 256);
-  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.numel() == 8 * groups * nb,
-              "tessera_gemv.q8x8: d must be contiguous float16 [N / 8, K / 32, 8]");
+  TORCH_CHECK((d.scalar_type() == at::kHalf || d.scalar_type() == at::kFloat) && d.is_contiguous() &&
+                  (d.numel() == 8 * groups * nb || d.numel() == 16 * groups * nb),
+              "tessera_gemv.q8x8: d must be contiguous float16 or float32 [N / 8, K / 32, 8] or [N / 8, K / 16, 8]");
   const uint8_t* qp = qs.data_ptr<uint8_t>();
-  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
   const int64_t n = 8 * groups;
-  return x8_groups(x, groups, k, nb * 256, [&]<int M>(const int8_t* xq, const float* xd, const float*, float* y,
-                                                       int64_t g) { q8x8_group<M>(xq, xd, qp, dp, y, k, n, g); });
+  const bool per16 = d.numel() == 16 * groups * nb;
+  return with_scale_type(d, [&]<typename S>() {
+    const S* dp = scales_of<S>(d);
+    return x8_groups(x, groups, k, nb * 256, [&]<int M>(const int8_t* xq, const float* xd, const float*, float* y,
+                                                         int64_t g) {
+      if (per16) q8x8_group<M, S, 16>(xq, xd, qp, dp, y, k, n, g);
+      else q8x8_group<M, S, 32>(xq, xd, qp, dp, y, k, n, g);
+    });
+  });
 }
 
 #pragma GCC pop_options
