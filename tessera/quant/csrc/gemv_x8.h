@@ -1,9 +1,11 @@
-// GGUF Q4_0 / Q4_1 and Q8_0 on int8-quantized activations (tessera_gemv::{q4x8, q8x8}): included
-// inside the anonymous namespace of both builds of the tessera_gemv library, gemv.cpp (AVX-512
-// CPUs: Zen 4, Intel) and gemv_avx2.cpp (AVX2 + FMA without AVX-512: Zen 3), after their
-// kMaxRows and dispatch_rows. The code is AVX2 (8-lane int8/int16 products); on Zen 4 it reads
-// the default model's Q4_1 layers at the memory's rate (1.2-2.0 ms a token for the 120 layer linears
-// against 4.7 for the grouped INT4 AVX-512 kernel: session 40), so both builds carry it.
+// GGUF blocks on int8-quantized activations (tessera_gemv::{q4x8, q8x8}; Q4_0 / Q4_1 / Q4_K on the
+// first, Q8_0 / Q5_0 / Q6_K on the second: gguf_int8_activations.py): included inside the anonymous
+// namespace of both builds of the tessera_gemv library, gemv.cpp (AVX-512 CPUs: Zen 4, Intel) and
+// gemv_avx2.cpp (AVX2 + FMA without AVX-512: Zen 3), after their kMaxRows and dispatch_rows. The
+// code is 8-lane (256-bit) int8 products: AVX2's VPMADDUBSW, or VPDPBUSD where the build has AVX-512
+// VNNI (below). On Zen 4 it reads the default model's Q4_1 layers at the memory's rate (1.2-2.0 ms a
+// token for the 120 layer linears against 4.7 for the grouped INT4 AVX-512 kernel: session 40), so
+// both builds carry it.
 #pragma once
 
 #pragma GCC push_options
@@ -25,9 +27,19 @@
 // Why: the float32 GEMV on dequantized codes needs 4 conversions and 4 FMAs per 32 weights and
 // activation row; this needs 2 VPMADDUBSW and 2 adds per 32 weights, and a VPMADDWD, a conversion
 // and two FMAs per block of 8 rows.
+// Where the build has AVX-512 VNNI with 256-bit forms (Zen 4; -march=native), the int8 products
+// are VPDPBUSD: four byte products summed into each int32 lane in one instruction, where AVX2 takes
+// VPMADDUBSW, VPMADDWD and an add. The integer sums are the same, so are the results, bit for bit.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TESSERA_X8_VNNI 1
+#else
+#define TESSERA_X8_VNNI 0
+#endif
+
 struct QuantizedX {
-  std::vector<int8_t> q;   // [M, K]
+  std::vector<int8_t> q;    // [M, K]
   std::vector<float> d, s;  // [M, K / 32]
+  std::vector<uint8_t> u;   // [M, K]: q + 128 (VPDPBUSD's unsigned operand for signed weights; VNNI only)
 };
 
 QuantizedX quantize_rows_q8_1(const float* x, int64_t m, int64_t k) {
@@ -62,6 +74,10 @@ QuantizedX quantize_rows_q8_1(const float* x, int64_t m, int64_t k) {
     out.d[i] = d;
     out.s[i] = d * float(_mm_cvtsi128_si32(t));
   }
+#if TESSERA_X8_VNNI
+  out.u.resize(m * k);
+  for (int64_t i = 0; i < m * k; ++i) out.u[i] = static_cast<uint8_t>(out.q[i]) ^ 0x80;
+#endif
   return out;
 }
 
@@ -99,6 +115,15 @@ void q4x8_group(const int8_t* xq, const float* xd, const float* xs, const uint8_
     const __m256 dw = load_scales(dg + b * 8), mw = load_scales(mg + b * 8);
     for (int i = 0; i < M; ++i) {
       const int8_t* xb = xq + i * k + b * 32;
+#if TESSERA_X8_VNNI
+      // Two accumulators: VPDPBUSD's latency would otherwise chain the block's eight products.
+      __m256i p = _mm256_setzero_si256(), p2 = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        p = _mm256_dpbusd_epi32(p, lo[j], bcast4(xb + 8 * j));
+        p2 = _mm256_dpbusd_epi32(p2, hi[j], bcast4(xb + 8 * j + 4));
+      }
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(p, p2));
+#else
       __m256i p = _mm256_maddubs_epi16(lo[0], bcast4(xb));
       p = _mm256_add_epi16(p, _mm256_maddubs_epi16(hi[0], bcast4(xb + 4)));
       for (int j = 1; j < 4; ++j) {
@@ -106,6 +131,7 @@ void q4x8_group(const int8_t* xq, const float* xd, const float* xs, const uint8_
         p = _mm256_add_epi16(p, _mm256_maddubs_epi16(hi[j], bcast4(xb + 8 * j + 4)));
       }
       const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+#endif
       acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(xd[i * nb + b])), acc[i]);
       off[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[i * nb + b]), off[i]);
     }
@@ -121,8 +147,8 @@ void q4x8_group(const int8_t* xq, const float* xd, const float* xs, const uint8_
 // 8] (Q8_0, Q5_0's codes less 16); SUB = 16, d [N / 8, K / 16, 8] (Q6_K's d * scale): vectors 0-3
 // hold a block's first 16 weights, 4-7 the next, summed apart and scaled each by its own d.
 template <int M, typename S, int SUB>
-void q8x8_group(const int8_t* xq, const float* xd, const uint8_t* w, const S* d, float* y, int64_t k,
-                int64_t n, int64_t g) {
+void q8x8_group(const int8_t* xq, const uint8_t* xu, const float* xd, const uint8_t* w, const S* d, float* y,
+                int64_t k, int64_t n, int64_t g) {
   static_assert(SUB == 32 || SUB == 16);
   constexpr int kParts = 32 / SUB, kVectors = 8 / kParts;
   const int64_t nb = k / 32;
@@ -135,6 +161,29 @@ void q8x8_group(const int8_t* xq, const float* xd, const uint8_t* w, const S* d,
     for (int part = 0; part < kParts; ++part) {
       __m256i isum[M];
       for (int i = 0; i < M; ++i) isum[i] = _mm256_setzero_si256();
+#if TESSERA_X8_VNNI
+      // (q_x + 128) . w - 128 . w: the second sum is the weights' alone, one VPDPBUSD for all rows. Even
+      // and odd vectors in two accumulators: VPDPBUSD's latency would chain a row's products.
+      __m256i bias0 = _mm256_setzero_si256(), bias1 = _mm256_setzero_si256(), odd[M];
+      for (int i = 0; i < M; ++i) odd[i] = _mm256_setzero_si256();
+      const __m256i k128 = _mm256_set1_epi8(static_cast<char>(0x80));
+      for (int j = part * kVectors; j < (part + 1) * kVectors; j += 2) {
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + b * 256 + 32 * j));
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + b * 256 + 32 * j + 32));
+        bias0 = _mm256_dpbusd_epi32(bias0, k128, v0);
+        bias1 = _mm256_dpbusd_epi32(bias1, k128, v1);
+        for (int i = 0; i < M; ++i) {
+          int32_t u0, u1;
+          std::memcpy(&u0, xu + i * k + b * 32 + 4 * j, 4);
+          std::memcpy(&u1, xu + i * k + b * 32 + 4 * j + 4, 4);
+          isum[i] = _mm256_dpbusd_epi32(isum[i], _mm256_set1_epi32(u0), v0);
+          odd[i] = _mm256_dpbusd_epi32(odd[i], _mm256_set1_epi32(u1), v1);
+        }
+      }
+      const __m256i both = _mm256_add_epi32(bias0, bias1);
+      for (int i = 0; i < M; ++i) isum[i] = _mm256_sub_epi32(_mm256_add_epi32(isum[i], odd[i]), both);
+#else
+      (void)xu;
       for (int j = part * kVectors; j < (part + 1) * kVectors; ++j) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + b * 256 + 32 * j));
         const __m256i a = _mm256_abs_epi8(v);
@@ -143,6 +192,7 @@ void q8x8_group(const int8_t* xq, const float* xd, const uint8_t* w, const S* d,
           isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(a, sx), ones));
         }
       }
+#endif
       const __m256 dw = load_scales(dg + (b * kParts + part) * 8);
       for (int i = 0; i < M; ++i)
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(dw, _mm256_set1_ps(xd[i * nb + b])), acc[i]);
@@ -169,8 +219,8 @@ at::Tensor x8_groups(const at::Tensor& x, int64_t groups, int64_t k, int64_t gro
       for (int64_t m0 = 0; m0 < m; m0 += kMaxRows)
         dispatch_rows<1>(std::min(kMaxRows, m - m0), [&]<int M>() {
           for (int64_t g = t0; g < t1; ++g)
-            group.template operator()<M>(xq.q.data() + m0 * k, xq.d.data() + m0 * nb, xq.s.data() + m0 * nb,
-                                         yp + m0 * n, g);
+            group.template operator()<M>(xq.q.data() + m0 * k, xq.u.empty() ? nullptr : xq.u.data() + m0 * k,
+                                         xq.d.data() + m0 * nb, xq.s.data() + m0 * nb, yp + m0 * n, g);
         });
     }
   });
@@ -208,8 +258,8 @@ at::Tensor gemv_q4x8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   const int64_t n = 8 * groups;
   return with_scale_type(d, [&]<typename S>() {
     const S *dp = scales_of<S>(d), *mp = scales_of<S>(mn);
-    return x8_groups(x, groups, k, nb * 128, [&]<int M>(const int8_t* xq, const float* xd, const float* xs, float* y,
-                                                         int64_t g) { q4x8_group<M, S>(xq, xd, xs, qp, dp, mp, y, k, n, g); });
+    return x8_groups(x, groups, k, nb * 128, [&]<int M>(const int8_t* xq, const uint8_t*, const float* xd, const float* xs,
+                                                         float* y, int64_t g) { q4x8_group<M, S>(xq, xd, xs, qp, dp, mp, y, k, n, g); });
   });
 }
 
@@ -225,10 +275,10 @@ at::Tensor gemv_q8x8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   const bool per16 = d.numel() == 16 * groups * nb;
   return with_scale_type(d, [&]<typename S>() {
     const S* dp = scales_of<S>(d);
-    return x8_groups(x, groups, k, nb * 256, [&]<int M>(const int8_t* xq, const float* xd, const float*, float* y,
-                                                         int64_t g) {
-      if (per16) q8x8_group<M, S, 16>(xq, xd, qp, dp, y, k, n, g);
-      else q8x8_group<M, S, 32>(xq, xd, qp, dp, y, k, n, g);
+    return x8_groups(x, groups, k, nb * 256, [&]<int M>(const int8_t* xq, const uint8_t* xu, const float* xd, const float*,
+                                                         float* y, int64_t g) {
+      if (per16) q8x8_group<M, S, 16>(xq, xu, xd, qp, dp, y, k, n, g);
+      else q8x8_group<M, S, 32>(xq, xu, xd, qp, dp, y, k, n, g);
     });
   });
 }
