@@ -13,27 +13,10 @@
 //
 // Inputs (tessera/model/native_stack.py builds them): per layer the two norm weights in `norms`;
 // per linear (qkv, o, gate_up, down of each layer) four tensor slots in `lin_tensors` and two
-// ints in `lin_meta` (kind, format), kinds:
-//   0 bf16 InvariantLinear: linear_bf16(x, packed)         1 fp32 InvariantLinear: linear_f32(x, wt)
-//     (format 1: a gate_up packed in pairs, linear_f32_pairs, its SiLU in the store);
-//   2 tessera_qgemm::qgemm(x, codes, scale, zero?, format)  3 tessera_qgemm::kqgemm(x, codes, planes,
-//     sup, sub?, format) -- the quantized modules' batch-invariant kernels; their bias is added
-//     after the product (QuantLinear does `y + bias`), a float linear's inside it;
-//   4 bf16 InvariantLinear with its GGUF blocks (tessera/quant/gguf_codes.py): packed, then codes,
-//     planes, sup; format = the KQ kind + 256 x its codes_max_rows: calls of up to that many rows
-//     without a bias take kqgemm(the KQ kind) on the blocks, the others linear_bf16: the same bits
-//     either way, fewer bytes at decode;
-//   5, 6 GGUF Q4_0/Q4_1 and Q8_0 blocks on int8 activations (x86 without AMX; tessera/quant/
-//     gguf_int8_activations.py): tessera_gemv::q4x8(x, qs, d, m) and q8x8(x, qs, d) on x in float32,
-//     their columns past n (padding rows) dropped, the result in x's dtype and their bias added
-//     after them, as the modules do;
-//   7 fp32 InvariantLinear with its GGUF blocks (tessera/quant/gguf_f32_blocks.py): packed, then
-//     blocks; format = paired (1) + 2 x (1 + linear_f32_blocks' format). Calls of up to
-//     kF32BlocksMaxRows rows take linear_f32_blocks, the others kind 1: the same bits either way;
-// an optional qkv bias per layer, the KV cache pair per layer in `kv`, and the step's rotary
-// tables, slots and attention plan (the tensors tessera/attention/invariant_cpu.py's _kernel_plan
-// makes). dims = (heads, kv heads, head_dim, hidden, intermediate); windows = each layer's
-// sliding window (0 = none).
+// ints in `lin_meta` (kind, format: stack_linears.h lists the kinds); an optional qkv bias per
+// layer, the KV cache pair per layer in `kv`, and the step's rotary tables, slots and attention
+// plan (the tensors tessera/attention/invariant_cpu.py's _kernel_plan makes). dims = (heads, kv
+// heads, head_dim, hidden, intermediate); windows = each layer's sliding window (0 = none).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -41,26 +24,9 @@
 #include <optional>
 #include <tuple>
 
+#include "stack_linears.h"
+
 namespace {
-
-using OptTensor = std::optional<at::Tensor>;
-
-// As gguf_f32_blocks.BLOCKS_MAX_ROWS: the row counts kind 7 reads from the blocks.
-constexpr int64_t kF32BlocksMaxRows = 8;
-
-template <typename Fn>
-c10::TypedOperatorHandle<Fn> op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
-}
-
-// The quantized kernels live in another library (tessera_qgemm), loaded only where a linear uses
-// them: look them up at their first use.
-at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& planes, const at::Tensor& sup,
-                     const OptTensor& sub, int64_t fmt, int64_t n) {
-  static const auto kqgemm = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                           const OptTensor&, int64_t, int64_t, int64_t)>("tessera_qgemm::kqgemm");
-  return kqgemm.call(x, codes, planes, sup, sub, fmt, n, x.size(1));
-}
 
 // silu(gate) * up of a fused gate_up of kind 2, 3 or 4 (its blocks) on bf16 x: the quantized
 // kernel's gated call (tessera_qgemm::qgemm_silu / kqgemm_silu), silu_mul of its output bit for bit,
@@ -80,28 +46,6 @@ at::Tensor gated_quant_linear(const at::Tensor& x, const c10::List<OptTensor>& t
   return kqgemm_silu.call(x, *get(0), *get(1), *get(2), get(3), fmt, n, x.size(1));
 }
 
-at::Tensor quant_linear(const at::Tensor& x, const c10::List<OptTensor>& t, int64_t i, int64_t kind, int64_t fmt,
-                        int64_t n) {
-  const auto get = [&](int64_t j) { return t.get(i + j); };
-  if (kind == 2) {
-    static const auto qgemm = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
-                                            int64_t, int64_t, int64_t)>("tessera_qgemm::qgemm");
-    return qgemm.call(x, *get(0), *get(1), get(2), fmt, n, x.size(1));
-  }
-  if (kind == 5 || kind == 6) {  // tessera_gemv is another library too (native_gemv.py loads it)
-    static const auto q4 = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
-        "tessera_gemv::q4x8");
-    static const auto q8 = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>("tessera_gemv::q8x8");
-    // float32 x as the kernels take it; a bf16 step's output back in bf16, as the modules give it.
-    const at::Tensor xf = x.to(at::kFloat).contiguous();
-    at::Tensor y = kind == 5 ? q4.call(xf, *get(0), *get(1), *get(2)) : q8.call(xf, *get(0), *get(1));
-    if (y.size(1) > n) y = y.narrow(1, 0, n).contiguous();
-    return y.to(x.scalar_type());
-  }
-  TORCH_CHECK(kind == 3, "decoder_stack: unknown linear kind ", kind);
-  return kq_linear(x, *get(0), *get(1), *get(2), get(3), fmt, n);
-}
-
 at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c10::List<OptTensor>& lin_tensors,
                          at::IntArrayRef lin_meta, const c10::List<OptTensor>& qkv_bias,
                          at::TensorList kv, const at::Tensor& final_norm, const at::Tensor& cos, const at::Tensor& sin,
@@ -110,10 +54,6 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
                          at::IntArrayRef windows, int64_t block_size, double scale, double eps) {
   static const auto norm = op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptTensor&,
                                                                  const at::Tensor&, double)>("tessera_inv::add_rms_norm");
-  static const auto bf16_linear = op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t, bool,
-                                                int64_t)>("tessera_inv::linear_bf16");
-  static const auto f32 = op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t)>(
-      "tessera_inv::linear_f32");
   static const auto rotary_kv = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                               int64_t, int64_t, int64_t, at::Tensor&, at::Tensor&, const at::Tensor&)>(
       "tessera_inv::rotary_kv");
@@ -141,33 +81,10 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
               "decoder_stack: hidden must be contiguous [T, ", hidden_size, "]");
   const bool bf16 = hidden.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || hidden.scalar_type() == at::kFloat, "decoder_stack: bf16 or float32 hidden states");
-  // Whether linear li's call on x takes its bf16 packed weight: kind 0, and kind 4 above its
-  // codes' row limit or with a bias (else its blocks).
-  auto takes_bf16 = [&](int64_t li, const at::Tensor& x, const OptTensor& bias) {
-    const int64_t kind = lin_meta[2 * li];
-    return kind == 0 || (kind == 4 && (bias.has_value() || x.size(0) > (lin_meta[2 * li + 1] >> 8)));
-  };
-  // (kind, format) of linear li's call on x: kind 7 as the float32 kind it is, its format (2 or
-  // more) where it reads the blocks, else only the paired bit; kind 4 with its KQ kind alone.
-  auto call_kind = [&](int64_t li, const at::Tensor& x) -> std::pair<int64_t, int64_t> {
-    const int64_t kind = lin_meta[2 * li], fmt = lin_meta[2 * li + 1];
-    if (kind == 4) return {4, fmt & 255};
-    if (kind != 7) return {kind, fmt};
-    return {1, x.size(0) <= kF32BlocksMaxRows ? fmt : fmt & 1};
-  };
+  const StackLinears lin{lin_tensors, lin_meta};
   // Linear j (0 qkv, 1 o, 2 gate_up, 3 down) of layer l.
   auto linear = [&](int64_t l, int64_t j, const at::Tensor& x, const OptTensor& bias, int64_t n) {
-    const int64_t li = 4 * l + j;
-    const auto [kind, fmt] = call_kind(li, x);
-    if (takes_bf16(li, x, bias)) return bf16_linear.call(x, *lin_tensors.get(4 * li), bias, n, false, -1);
-    if (kind == 1 && fmt >= 2) return f32_blocks.call(x, *lin_tensors.get(4 * li + 1), bias, n, (fmt >> 1) - 1, fmt & 1);
-    if (kind == 1 && fmt == 1) return f32_pairs.call(x, *lin_tensors.get(4 * li), bias, n, false);
-    if (kind == 1) return f32.call(x, *lin_tensors.get(4 * li), bias, n);
-    if (kind == 4)
-      return kq_linear(x, *lin_tensors.get(4 * li + 1), *lin_tensors.get(4 * li + 2), *lin_tensors.get(4 * li + 3),
-                       OptTensor(), fmt, n);
-    at::Tensor y = quant_linear(x, lin_tensors, 4 * li, kind, fmt, n);
-    return bias.has_value() ? y + *bias : y;
+    return lin(4 * l + j, x, bias, n);
   };
   const int64_t qkv_n = (h + 2 * hkv) * d;
   const OptTensor none;
@@ -190,9 +107,9 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
     // [T, 2 * inter] output) where the bf16 weight serves it, where a float32 one is packed in
     // pairs, and where quantized tiles or GGUF blocks do on bf16 x; other float32 linears in turn
     const int64_t gi = 4 * l + 2;
-    const auto [gkind, gfmt] = call_kind(gi, normed);
+    const auto [gkind, gfmt] = lin.call_kind(gi, normed);
     at::Tensor act;
-    if (takes_bf16(gi, normed, none))
+    if (lin.takes_bf16(gi, normed, none))
       act = bf16_linear_silu.call(normed, *lin_tensors.get(4 * gi), 2 * inter, -1);
     else if (gkind == 1 && gfmt >= 2 && (gfmt & 1))
       act = f32_blocks.call(normed, *lin_tensors.get(4 * gi + 1), none, 2 * inter, (gfmt >> 1) - 1, 2);
