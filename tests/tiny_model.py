@@ -57,8 +57,8 @@ def make_tiny_model_dir(
     seed: int = 0,
     sliding_window: int | None = None,
 ) -> Path:
-    """Write a tiny random Llama (or Qwen2, with q/k/v biases, or Mistral with `sliding_window`)
-    folder into `tmp_path`; return it.
+    """Write a tiny random Llama (or Qwen2, with q/k/v biases, Mistral with `sliding_window`, or
+    Gemma 3 with local and global layers) folder into `tmp_path`; return it.
 
     num_kv_heads picks MHA (= num_heads), GQA or MQA (1). rope_scaling is an HF dict, e.g.
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -96,8 +96,16 @@ def make_tiny_model_dir(
         config = transformers.MistralConfig(**common, head_dim=head_dim, rope_parameters=rope,
                                             sliding_window=sliding_window)
         model_class = transformers.MistralForCausalLM
+    elif model_type == "gemma3":  # local layers (window `sliding_window`, default 8) around one global one
+        window = sliding_window or 8
+        config = transformers.Gemma3TextConfig(
+            **common, head_dim=head_dim, sliding_window=window, query_pre_attn_scalar=head_dim + 8,
+            layer_types=["sliding_attention" if i % 3 != 1 else "full_attention" for i in range(num_layers)],
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": rope_theta}})
+        model_class = transformers.Gemma3ForCausalLM
     else:
-        raise ValueError(f"model_type {model_type!r}: choose llama, qwen2 or mistral")
+        raise ValueError(f"model_type {model_type!r}: choose llama, qwen2, mistral or gemma3")
 
     torch.manual_seed(seed)
     model = model_class(config)

@@ -54,9 +54,9 @@ def prepare_step_kernels(model: torch.nn.Module, config, dtype: torch.dtype, fil
 
             attach_f32_blocks(model, files)
         if not config.enforce_eager and hasattr(model, "native_stack"):
-            from tessera.model.native_stack import NativeStack
+            from tessera.model.native_stack import build_native_stack
 
-            model.native_stack = NativeStack.build(model)
+            model.native_stack = build_native_stack(model)
             if model.native_stack is not None:
                 logger.info("decoder stack: one native call per step (--enforce-eager: the module path)")
         return count

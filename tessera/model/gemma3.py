@@ -106,6 +106,8 @@ class Gemma3ForCausalLM(CausalLM):
                                             max_pos, device)
         # transformers keeps sqrt(hidden) as a float32 buffer and rounds it to the weight dtype.
         self.embed_scale = torch.tensor(config.hidden_size**0.5).to(dtype).item()
+        # The decoder stack as one native call, where the engine built one (gemma_stack.py; None: the modules).
+        self.native_stack = None
 
     @classmethod
     def gguf_config(cls, fields: dict, hparam: Callable[..., object]) -> dict:
@@ -131,6 +133,10 @@ class Gemma3ForCausalLM(CausalLM):
         rope_global = self.rotary_global.at(positions, self.dtype)
         rope_local = self.rotary_local.at(positions, self.dtype)
         hidden = embedding(input_ids, self.embed_tokens) * self.embed_scale
+        if self.native_stack is not None:
+            out = self.native_stack.forward(hidden, positions, kv_caches, attn_metadata)
+            if out is not None:
+                return out
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, rope_local if layer.is_local else rope_global, kv_cache, attn_metadata)
         return self.norm(hidden)

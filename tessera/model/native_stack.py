@@ -87,6 +87,17 @@ class NativeStack:
             self.dims, self.windows, metadata.block_size, self.scale, self.eps)
 
 
+def build_native_stack(model):
+    """The native stack for `model`: Gemma 3's (gemma_stack.py) or a llama-family one, or None."""
+    from tessera.model.gemma3 import Gemma3ForCausalLM
+
+    if isinstance(model, Gemma3ForCausalLM):
+        from tessera.model.gemma_stack import GemmaStack
+
+        return GemmaStack.build(model)
+    return NativeStack.build(model)
+
+
 def _linear_spec(w) -> tuple[int, int, list[torch.Tensor | None]]:
     """(kind, format, tensors) of a linear as decoder_stack.cpp takes it (its header lists the
     kinds), or kind -1: no batch-invariant kernel the stack knows."""

@@ -112,3 +112,22 @@ def test_gguf_mode_perplexity_is_within_2_percent_of_transformers(gguf_llm, hf_m
         logits = hf_model(torch.tensor([ids])).logits[0].float()
     ref = math.exp(float(F.cross_entropy(logits[:-1], torch.tensor(ids[1:]))))
     assert ours.perplexity == pytest.approx(ref, rel=0.02)
+
+
+def test_gguf_mode_stack_equals_modules(gemma_path):
+    """The native Gemma stack (gemma_stack.py) on the file's blocks, in bf16 (the mode's benchmarked
+    dtype), gives the modules' (--enforce-eager) tokens and logprobs bit for bit, through batched
+    prompts that share a prefix."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+    runs = []
+    for eager in (False, True):
+        llm = LLM(str(gemma_path), dtype="bfloat16", quantization="gguf", kv_cache_memory=256 << 20,
+                  enforce_eager=eager)
+        stack = llm.engine.runner.model.native_stack
+        if not eager and stack is None:
+            pytest.skip("no native Gemma stack here (bf16 and its norm need AVX-512 BF16)")
+        assert (stack is None) == eager
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs)
+                     for o in llm.generate(PROMPTS, params, use_tqdm=False)])
+        del llm
+    assert runs[0] == runs[1]

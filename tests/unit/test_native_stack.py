@@ -1,7 +1,7 @@
-"""The native decoder stack (tessera/model/native_stack.py) gives bit for bit what the module path
-gives: the same greedy tokens and the same logprobs, through decode batches, chunked prefill,
-prefix-cache hits and speculative decoding, on Llama, Qwen2 (qkv bias) and Mistral (sliding
-window) shapes. The reference is the same engine with `--enforce-eager` (the modules, op by op)."""
+"""The native decoder stacks (tessera/model/native_stack.py, gemma_stack.py) give bit for bit what
+the module path gives: the same greedy tokens and the same logprobs, through decode batches, chunked
+prefill, prefix-cache hits and speculative decoding, on Llama, Qwen2 (qkv bias), Mistral (sliding
+window) and Gemma 3 shapes. The reference is the same engine with `--enforce-eager` (the modules, op by op)."""
 
 from __future__ import annotations
 
@@ -58,6 +58,21 @@ def test_native_stack_equals_modules(tiny_model_factory, dtype, shape):
     for rid in native:
         assert native[rid][0] == eager[rid][0], f"request {rid}: tokens differ"
         assert native[rid][1] == eager[rid][1], f"request {rid}: logprobs differ"
+
+
+@pytest.mark.skipif(not kernels.cpu_has_avx512_bf16(), reason="Gemma's native norm needs AVX-512 BF16")
+@pytest.mark.parametrize("dtype", _dtypes())
+def test_gemma_stack_equals_modules(tiny_model_factory, dtype):
+    """Gemma 3's stack (gemma_stack.py): four (1 + w) norms a layer and q/k norms, local layers (an
+    8-token window, shorter than the prompts) around a global one with their own rotary tables,
+    GeGLU; through chunked prefill beside decodes."""
+    path = tiny_model_factory(model_type="gemma3", num_layers=3)
+    native, engine = _run(path, dtype, eager=False, max_num_batched_tokens=32)
+    assert type(engine.runner.model.native_stack).__name__ == "GemmaStack"
+    eager, engine = _run(path, dtype, eager=True, max_num_batched_tokens=32)
+    assert engine.runner.model.native_stack is None
+    assert native.keys() == eager.keys() == {"0", "1", "2", "3"}
+    assert native == eager
 
 
 @pytest.mark.parametrize("dtype", _dtypes())
