@@ -50,7 +50,7 @@ def kept_prefix(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     Same semantics as tessera.engine.sampler.filter_logits (the sorting reference).
     """
     rows, vocab = logits.shape
-    width = _first_width(top_k, top_p, vocab)
+    width = first_width(top_k, top_p, vocab)
     norm = _row_normalizers(logits, temperature, (top_k >= vocab) & (top_p < 1.0))
     result = _kept_within(logits, temperature, top_k, top_p, min_p, width, norm)
     exact, prefix = result
@@ -101,7 +101,7 @@ def _row_normalizers(logits: torch.Tensor, temperature: torch.Tensor,
 _SUM_GROUP = 8
 
 
-def _first_width(top_k: torch.Tensor, top_p: torch.Tensor, vocab: int) -> int:
+def first_width(top_k: torch.Tensor, top_p: torch.Tensor, vocab: int) -> int:
     width = 0
     for k, p in zip(top_k.tolist(), top_p.tolist(), strict=True):
         width = max(width, k + _TOP_K_MARGIN if k < vocab else _TOP_P_FIRST_FETCH if p < 1.0 else 1)
@@ -295,7 +295,8 @@ def draw_from_prefix(prefix: KeptPrefix, uniforms: torch.Tensor) -> torch.Tensor
 
 
 def draw_kept(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-              min_p: torch.Tensor, uniforms: torch.Tensor, chunk_maxima: torch.Tensor | None = None) -> torch.Tensor:
+              min_p: torch.Tensor, uniforms: torch.Tensor, chunk_maxima: torch.Tensor | None = None, *,
+              width: int | None = None, unit_norm: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """draw_from_prefix(kept_prefix(logits, ...), uniforms): one token per row, drawn from its kept
     tokens by the inverse CDF of its uniform. Where the native head takes the first fetch, the kept
     prefix and the draw are one call (sampling.cpp: draw_kept_head) for every row whose answer lies
@@ -307,12 +308,17 @@ def draw_kept(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tens
 
     `chunk_maxima` [R, ceil(V / 16)] (optional): each row's maximum of every 16 logits, NaN where one
     is NaN, as the lm_head's kernel found them (ModelRunner.chunk_maxima). The native head pass then
-    reads those instead of every logit for its chunk maxima: the same head, so the same tokens."""
+    reads those instead of every logit for its chunk maxima: the same head, so the same tokens.
+
+    Where the caller knows them from the rows' parameters (the sampler's _RowFilters): `width`, the
+    first fetch (first_width of top_k, top_p), and `unit_norm`, the (0, 1) float64 [R] pair
+    _row_normalizers gives when no row is top-p without top-k."""
     vocab = logits.shape[1]
-    width = _first_width(top_k, top_p, vocab)
+    if width is None:
+        width = first_width(top_k, top_p, vocab)
     if not _native_kept(logits, width):
         return draw_from_prefix(kept_prefix(logits, temperature, top_k, top_p, min_p), uniforms)
-    norm = _row_normalizers(logits, temperature, (top_k >= vocab) & (top_p < 1.0))
+    norm = unit_norm or _row_normalizers(logits, temperature, (top_k >= vocab) & (top_p < 1.0))
     tokens = kernels.ops().draw_kept_head(logits, temperature, top_k, top_p, min_p, width, *norm, uniforms,
                                           chunk_maxima)
     redo = torch.nonzero(tokens < 0).flatten()

@@ -65,7 +65,7 @@ def test_the_draw_is_the_same_with_the_maxima_as_without(vocab):
         want = candidates.draw_kept(logits, temperature, top_k, top_p, min_p, u)
         assert torch.equal(candidates.draw_kept(logits, temperature, top_k, top_p, min_p, u, hint), want)
         assert torch.equal(candidates.draw_kept(logits, temperature, top_k, top_p, min_p, u, odd), want)
-    if candidates._native_kept(logits, candidates._first_width(top_k, top_p, vocab)):  # else the hint is not read
+    if candidates._native_kept(logits, candidates.first_width(top_k, top_p, vocab)):  # else the hint is not read
         with pytest.raises(RuntimeError, match="maxima16 must be contiguous float32"):
             candidates.draw_kept(logits, temperature, top_k, top_p, min_p, u, hint[:, :-1].contiguous())
     else:

@@ -520,3 +520,40 @@ def test_native_seeded_hash_equals_the_torch_integer_ops(monkeypatch):
     assert torch.equal(kernels.ops().seeded_uniforms(keys, ids, 0), whole.gather(1, ids))
     # u = (23 bits + 0.5) / 2^23: inside (0, 1), so the noise -log(u) is never 0.
     assert bool((whole > 0).all()) and bool((whole < 1).all())
+
+
+# ---- the batch's parameter tensors, kept between calls (Sampler._row_filters) ----------------------
+
+
+def _three_way_tie(rows: int, vocab: int = 300) -> torch.Tensor:
+    logits = torch.full((rows, vocab), -5.0)
+    logits[:, 7:10] = 2.0  # tokens 7, 8, 9 tie at the top
+    return logits
+
+
+def test_new_params_objects_are_not_served_the_last_batchs_filters():
+    """The sampler keeps the last batch's filter tensors while the same SamplingParams objects
+    come back; a batch of other objects, equal in length, must get its own: top-k 1 keeps token
+    7 (ties go to the lower id), top-k 3 draws among 7, 8, 9."""
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    first = [SamplingParams(temperature=1.0, top_k=1, top_p=0.9) for _ in range(32)]
+    assert sample(_three_way_tie(32), first, sampler=sampler).token_ids == [7] * 32
+    kept = sampler._rows
+    assert sample(_three_way_tie(32), first, sampler=sampler).token_ids == [7] * 32
+    assert sampler._rows is kept  # the same objects: reused
+    second = [SamplingParams(temperature=1.0, top_k=3, top_p=0.9) for _ in range(32)]
+    tokens = sample(_three_way_tie(32), second, sampler=sampler).token_ids
+    assert set(tokens) == {7, 8, 9}  # all three, as a fresh sampler draws: P(a token missing) < 3 (2/3)^32
+
+
+def test_seeded_rows_after_unseeded_ones_draw_as_a_fresh_sampler():
+    """The same params objects (top-p alone, which unseeded rows draw with the native nucleus) with
+    generators this time: the seeded race, as a sampler that never saw the unseeded batch draws it."""
+    params = [SamplingParams(temperature=1.0, top_p=0.95) for _ in range(16)]
+    warm = Sampler(torch.Generator().manual_seed(1))
+    sample(_three_way_tie(16), params, sampler=warm)
+    seeded = [torch.Generator().manual_seed(100 + i) for i in range(16)]
+    again = [torch.Generator().manual_seed(100 + i) for i in range(16)]
+    got = sample(_three_way_tie(16), params, generators=seeded, sampler=warm).token_ids
+    want = sample(_three_way_tie(16), params, generators=again, sampler=Sampler(torch.Generator().manual_seed(1))).token_ids
+    assert got == want

@@ -265,7 +265,7 @@ def test_draw_kept_equals_the_draw_from_the_kept_prefix(vocab):
         uniforms = [torch.zeros(6, dtype=torch.float64), torch.full((6,), 1 - 2**-53, dtype=torch.float64)]
         uniforms += [boundaries[:, min(j, cdf.shape[1] - 1)].contiguous() for j in range(0, 60, 3)]
         uniforms += [torch.rand(6, dtype=torch.float64, generator=torch.Generator().manual_seed(i)) for i in range(20)]
-        width = candidates._first_width(top_k, top_p, vocab)
+        width = candidates.first_width(top_k, top_p, vocab)
         norm = candidates._row_normalizers(x, temperature, (top_k >= vocab) & (top_p < 1.0))
         for u in uniforms:
             got = candidates.draw_kept(x, *filters, u)
