@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from tessera.attention.cascade import shared_prefix_len
-from tessera.attention.metadata import AttentionMetadata, PrefillSpan
+from tessera.attention.metadata import AttentionMetadata, DecodeTablesMetadata, PrefillSpan
 from tessera.engine.request import Sequence
 from tessera.engine.swap import HostKVCache
 from tessera.quant.kv import allocate_kv_cache
@@ -133,7 +133,7 @@ class ModelRunner:
 
         # Decodes: one token each, at position num_computed_tokens (the last token).
         decode_seqs = [seq for seq, _ in scheduled[:num_decodes]]
-        decode_slots = decode_mask = tables = lens = None
+        tables = lens = None
         decode_shared_len = 0
         slot_parts: list[torch.Tensor] = []
         if decode_seqs:
@@ -145,12 +145,11 @@ class ModelRunner:
                 [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in decode_seqs],
                 dtype=torch.long,
             )
-            max_ctx = max(ctx_lens)
-            all_slots = (tables.unsqueeze(-1) * bs + self._block_offsets).view(len(decode_seqs), -1)
-            decode_slots = all_slots[:, :max_ctx].contiguous()
             lens = torch.tensor(ctx_lens, dtype=torch.long)
-            decode_mask = (torch.arange(max_ctx) < lens.unsqueeze(1)).view(len(decode_seqs), 1, 1, max_ctx)
-            slot_parts.append(decode_slots.gather(1, (lens - 1).unsqueeze(1)).squeeze(1))
+            # The new token's slot; the dense decode_slots / decode_mask only where a backend reads
+            # them (DecodeTablesMetadata makes them from the tables and lengths then).
+            slot_parts.append(torch.tensor([seq.block_table[(n - 1) // bs] * bs + (n - 1) % bs
+                                            for seq, n in zip(decode_seqs, ctx_lens, strict=True)], dtype=torch.long))
             if self._measure_shared_prefix:
                 decode_shared_len = shared_prefix_len(tables, ctx_lens, bs)
             sample_rows.extend(range(num_decodes))
@@ -180,11 +179,11 @@ class ModelRunner:
                 sample_rows.append(query_start + n - 1)
                 sample_seqs.append(seq)
 
-        metadata = AttentionMetadata(
+        metadata = DecodeTablesMetadata(
             slot_mapping=torch.cat(slot_parts) if len(slot_parts) > 1 else slot_parts[0],
             num_decode_tokens=num_decodes,
-            decode_slots=decode_slots,
-            decode_mask=decode_mask,
+            decode_slots=None,
+            decode_mask=None,
             prefills=prefills,
             decode_shared_len=decode_shared_len,
             block_size=bs,

@@ -132,3 +132,23 @@ def test_registry():
     assert isinstance(get_attention_backend("torch"), AttentionBackend)
     with pytest.raises(ValueError, match="unknown attention backend 'flash'.*torch"):
         get_attention_backend("flash")
+
+
+def test_decode_tables_metadata_makes_the_dense_decode_tensors_on_first_read():
+    """The runner's DecodeTablesMetadata gives the torch backends decode_slots / decode_mask as they
+    were built eagerly: each decode's context slots from its block table (padding rows point at
+    block 0), True up to its context length."""
+    from tessera.attention.metadata import DecodeTablesMetadata
+
+    bs, tables, lens = 4, [[3, 1, 7], [2], [5, 6]], [9, 3, 5]
+    padded = torch.tensor([t + [0] * (3 - len(t)) for t in tables])
+    m = DecodeTablesMetadata(slot_mapping=torch.tensor([0, 0, 0]), num_decode_tokens=3, decode_slots=None,
+                             decode_mask=None, prefills=[], block_size=bs, decode_block_tables=padded,
+                             decode_context_lens=torch.tensor(lens))
+    for i, (table, n) in enumerate(zip(tables, lens, strict=True)):
+        want = slots_for_positions(table, 0, n, bs)
+        assert m.decode_slots[i, :n].tolist() == want
+        assert m.decode_mask[i, 0, 0].tolist() == [True] * n + [False] * (max(lens) - n)
+    assert m.decode_slots.shape == (3, max(lens)) and (m.decode_slots[1, 4:] < bs).all()  # padding: block 0
+    m.decode_slots = torch.zeros(3, 1, dtype=torch.long)  # a reader's own tensor stays
+    assert m.decode_slots.shape == (3, 1)
