@@ -81,7 +81,8 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("enable_prefix_caching", "--enable-prefix-caching", "Reuse the KV blocks of prompt prefixes seen "
                "before.", boolean=True),
     EngineFlag("quantization", "--quantization", "Weight quantization at load: int8 / int4 weight-only, w8a8 (int8 "
-               "weights and activations), gguf (compute from a .gguf file's own Q4_0/Q4_1/Q8_0 blocks).",
+               "weights and activations), gguf (compute from a .gguf file's own blocks: "
+               "Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and the K-quants).",
                choices=QUANTIZATION_METHODS),
     EngineFlag("quantize_lm_head", "--quantize-lm-head", "Quantize the lm_head (output projection) too.",
                boolean=True),
