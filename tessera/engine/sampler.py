@@ -421,19 +421,16 @@ class Sampler:
         without seeded rows the kept tokens and the draw are one native call where it runs (draw_kept).
         `rows`: these rows' _RowFilters, where the caller has them."""
         device, vocab = logits.device, logits.shape[-1]
-        if rows is not None and all(gen is None for gen in generators):
-            return draw_kept(logits, temperature, *rows.filters, self._uniforms(len(params), device), chunk_maxima,
-                             width=rows.width, unit_norm=rows.unit_norm)
         if rows is not None:
-            filters = rows.filters
+            filters, hints = rows.filters, {"width": rows.width, "unit_norm": rows.unit_norm}
         else:
-            filters = (
+            filters, hints = (
                 torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device),
                 torch.tensor([p.top_p for p in params], device=device),
                 torch.tensor([p.min_p for p in params], device=device),
-            )
+            ), {}
         if all(gen is None for gen in generators):
-            return draw_kept(logits, temperature, *filters, self._uniforms(len(params), device), chunk_maxima)
+            return draw_kept(logits, temperature, *filters, self._uniforms(len(params), device), chunk_maxima, **hints)
         return self._draw(kept_prefix(logits, temperature, *filters), generators, vocab, device)
 
     def _sample_plain(self, logits: torch.Tensor, temperature: torch.Tensor, params: Sequence[SamplingParams],

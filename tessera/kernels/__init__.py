@@ -2,9 +2,11 @@
 fused elementwise ops of a layer (residual add + RMSNorm, rotary, SiLU x up).
 
 `available()` builds `csrc/invariant_kernels.cpp`, `csrc/paged_attention.cpp`,
-`csrc/fused_ops.cpp`, `csrc/decoder_stack.cpp` (a llama decoder stack in one call) and
-`csrc/sampling.cpp` (the sampler's head of a row, its temperature-only and top-p-only draws) through `tessera.native` (cached per CPU and torch version) and registers the ops under `torch.ops.tessera_inv`. Everything here has a
-pure-torch fallback; callers ask `available()` first.
+`csrc/fused_ops.cpp`, `csrc/decoder_stack.cpp` and `csrc/gemma_stack.cpp` (a llama / Gemma 3 decoder
+stack in one call) and `csrc/sampling.cpp` (the sampler's head of a row, its temperature-only and
+top-p-only draws) through `tessera.native` (cached per CPU and torch version) and registers the ops
+under `torch.ops.tessera_inv`. Everything here has a pure-torch fallback; callers ask `available()`
+first.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from tessera.native import load_extension
 
 _SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in (
     "invariant_kernels.cpp", "paged_attention.cpp", "fused_ops.cpp", "fused_avx2.cpp", "f32_gemm_avx2.cpp",
-    "decoder_stack.cpp", "gemma_stack.cpp", "stack_linears.h", "sampling.cpp", "argmax_rows.h", "silu_rows.h", "avx2_kernels.h", "sampling_lanes_avx512.h",
-    "sampling_lanes_avx2.h", "sampling_rows.h"))
+    "decoder_stack.cpp", "gemma_stack.cpp", "stack_linears.h", "sampling.cpp", "argmax_rows.h", "silu_rows.h",
+    "avx2_kernels.h", "sampling_lanes_avx512.h", "sampling_lanes_avx2.h", "sampling_rows.h"))
 
 
 @functools.cache

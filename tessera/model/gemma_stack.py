@@ -18,7 +18,7 @@ import torch
 from tessera import kernels
 from tessera.attention.invariant_cpu import _HEAD_DIMS, InvariantCPUAttention
 from tessera.attention.metadata import AttentionMetadata
-from tessera.model.native_stack import _linear_spec
+from tessera.model.native_stack import _linear_spec, takes_step
 
 logger = logging.getLogger("tessera")
 
@@ -57,9 +57,7 @@ class GemmaStack:
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 metadata: AttentionMetadata) -> torch.Tensor | None:
         """The final normed hidden states [T, hidden], or None: run the module path."""
-        if (metadata.block_size is None or hidden.dtype != self.dtype or not hidden.is_contiguous()
-                or positions.dtype != torch.long
-                or any(len(kv) != 2 or kv[0].dtype != self.dtype for kv in kv_caches)):
+        if not takes_step(self.dtype, hidden, positions, kv_caches, metadata):
             return None
         model = self.model
         # The model's forward has grown both fp32 rotary tables past the longest position (`at`).

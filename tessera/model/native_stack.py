@@ -72,9 +72,7 @@ class NativeStack:
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 metadata: AttentionMetadata) -> torch.Tensor | None:
         """The final normed hidden states [T, hidden], or None: run the module path."""
-        if (metadata.block_size is None or hidden.dtype != self.dtype or not hidden.is_contiguous()
-                or positions.dtype != torch.long
-                or any(len(kv) != 2 or kv[0].dtype != self.dtype for kv in kv_caches)):
+        if not takes_step(self.dtype, hidden, positions, kv_caches, metadata):
             return None
         rotary = self.model.rotary
         rotary.at(positions, self.dtype)  # grows the fp32 tables past the longest position
@@ -85,6 +83,14 @@ class NativeStack:
             rotary._cos, rotary._sin, positions.contiguous(), metadata.slot_mapping,
             plan.block_tables, plan.token_row, plan.token_ctx,
             self.dims, self.windows, metadata.block_size, self.scale, self.eps)
+
+
+def takes_step(dtype: torch.dtype, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+               metadata: AttentionMetadata) -> bool:
+    """Whether a native stack of `dtype` runs this step: paged, contiguous hidden states of its dtype,
+    long positions and K/V caches of its dtype (a quantized KV cache takes the module path)."""
+    return (metadata.block_size is not None and hidden.dtype == dtype and hidden.is_contiguous()
+            and positions.dtype == torch.long and all(len(kv) == 2 and kv[0].dtype == dtype for kv in kv_caches))
 
 
 def build_native_stack(model):
