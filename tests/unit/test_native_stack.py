@@ -65,7 +65,7 @@ def test_native_stack_equals_modules(tiny_model_factory, dtype, shape):
 def test_gemma_stack_equals_modules(tiny_model_factory, dtype):
     """Gemma 3's stack (gemma_stack.py): four (1 + w) norms a layer and q/k norms, local layers (an
     8-token window, shorter than the prompts) around a global one with their own rotary tables,
-    GeGLU; through chunked prefill beside decodes."""
+    GeGLU; through chunked prefill beside decodes, prefix-cache hits and speculation."""
     path = tiny_model_factory(model_type="gemma3", num_layers=3)
     native, engine = _run(path, dtype, eager=False, max_num_batched_tokens=32)
     assert type(engine.runner.model.native_stack).__name__ == "GemmaStack"
@@ -73,6 +73,9 @@ def test_gemma_stack_equals_modules(tiny_model_factory, dtype):
     assert engine.runner.model.native_stack is None
     assert native.keys() == eager.keys() == {"0", "1", "2", "3"}
     assert native == eager
+    # Prefix-cache hits and n-gram speculation (several query tokens a sequence, verified) too.
+    kw = dict(enable_prefix_caching=True, speculative_method="ngram", num_speculative_tokens=3)
+    assert _run(path, dtype, eager=False, **kw)[0] == _run(path, dtype, eager=True, **kw)[0]
 
 
 @pytest.mark.parametrize("dtype", _dtypes())
