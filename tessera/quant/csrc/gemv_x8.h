@@ -42,7 +42,8 @@ struct QuantizedX {
   std::vector<uint8_t> u;   // [M, K]: q + 128 (VPDPBUSD's unsigned operand for signed weights; VNNI only)
 };
 
-QuantizedX quantize_rows_q8_1(const float* x, int64_t m, int64_t k) {
+// with_unsigned: also fill u (q8x8's VPDPBUSD operand; q4x8 takes q itself).
+QuantizedX quantize_rows_q8_1(const float* x, int64_t m, int64_t k, bool with_unsigned) {
   const int64_t nb = k / 32;
   QuantizedX out{std::vector<int8_t>(m * k), std::vector<float>(m * nb), std::vector<float>(m * nb)};
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -75,8 +76,12 @@ QuantizedX quantize_rows_q8_1(const float* x, int64_t m, int64_t k) {
     out.s[i] = d * float(_mm_cvtsi128_si32(t));
   }
 #if TESSERA_X8_VNNI
-  out.u.resize(m * k);
-  for (int64_t i = 0; i < m * k; ++i) out.u[i] = static_cast<uint8_t>(out.q[i]) ^ 0x80;
+  if (with_unsigned) {
+    out.u.resize(m * k);
+    for (int64_t i = 0; i < m * k; ++i) out.u[i] = static_cast<uint8_t>(out.q[i]) ^ 0x80;
+  }
+#else
+  (void)with_unsigned;
 #endif
   return out;
 }
@@ -203,13 +208,14 @@ void q8x8_group(const int8_t* xq, const uint8_t* xu, const float* xd, const uint
 
 // x [M, K] against `groups` groups of 8 weight rows -> y [M, 8 groups], any M: x is quantized once,
 // then each thread walks its groups in tiles of about 16 KiB of codes (which stay in L1) and runs
-// every chunk of up to kMaxRows activation rows over a tile: group(M, x codes, d_x, s_x, y, g). A
-// row of the output depends only on its row of x (its own quantization, the same block order), so
-// the result does not depend on the batch.
+// every chunk of up to kMaxRows activation rows over a tile: group(M, x codes, x codes + 128 (only
+// with_unsigned: q8x8 on VPDPBUSD), d_x, s_x, y, g). A row of the output depends only on its row of x
+// (its own quantization, the same block order), so the result does not depend on the batch.
 template <typename Group>
-at::Tensor x8_groups(const at::Tensor& x, int64_t groups, int64_t k, int64_t group_bytes, Group&& group) {
+at::Tensor x8_groups(const at::Tensor& x, int64_t groups, int64_t k, int64_t group_bytes, bool with_unsigned,
+                     Group&& group) {
   const int64_t m = x.size(0), n = 8 * groups, nb = k / 32;
-  const QuantizedX xq = quantize_rows_q8_1(x.data_ptr<float>(), m, k);
+  const QuantizedX xq = quantize_rows_q8_1(x.data_ptr<float>(), m, k, with_unsigned);
   auto y = at::empty({m, n}, x.options());
   float* yp = y.data_ptr<float>();
   const int64_t tile = std::max<int64_t>(1, (16 << 10) / group_bytes);
@@ -258,7 +264,7 @@ at::Tensor gemv_q4x8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   const int64_t n = 8 * groups;
   return with_scale_type(d, [&]<typename S>() {
     const S *dp = scales_of<S>(d), *mp = scales_of<S>(mn);
-    return x8_groups(x, groups, k, nb * 128, [&]<int M>(const int8_t* xq, const uint8_t*, const float* xd, const float* xs,
+    return x8_groups(x, groups, k, nb * 128, false, [&]<int M>(const int8_t* xq, const uint8_t*, const float* xd, const float* xs,
                                                          float* y, int64_t g) { q4x8_group<M, S>(xq, xd, xs, qp, dp, mp, y, k, n, g); });
   });
 }
@@ -275,7 +281,7 @@ at::Tensor gemv_q8x8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   const bool per16 = d.numel() == 16 * groups * nb;
   return with_scale_type(d, [&]<typename S>() {
     const S* dp = scales_of<S>(d);
-    return x8_groups(x, groups, k, nb * 256, [&]<int M>(const int8_t* xq, const uint8_t* xu, const float* xd, const float*,
+    return x8_groups(x, groups, k, nb * 256, true, [&]<int M>(const int8_t* xq, const uint8_t* xu, const float* xd, const float*,
                                                          float* y, int64_t g) {
       if (per16) q8x8_group<M, S, 16>(xq, xu, xd, qp, dp, y, k, n, g);
       else q8x8_group<M, S, 32>(xq, xu, xd, qp, dp, y, k, n, g);
