@@ -20,7 +20,7 @@ from tessera.native import load_extension
 
 _SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in (
     "invariant_kernels.cpp", "paged_attention.cpp", "fused_ops.cpp", "fused_avx2.cpp", "f32_gemm_avx2.cpp",
-    "decoder_stack.cpp", "gemma_stack.cpp", "stack_linears.h", "sampling.cpp", "argmax_rows.h", "silu_rows.h",
+    "decoder_stack.cpp", "gemma_stack.cpp", "stack_common.h", "sampling.cpp", "argmax_rows.h", "silu_rows.h",
     "avx2_kernels.h", "sampling_lanes_avx512.h", "sampling_lanes_avx2.h", "sampling_rows.h"))
 
 

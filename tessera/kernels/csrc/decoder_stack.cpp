@@ -13,7 +13,7 @@
 //
 // Inputs (tessera/model/native_stack.py builds them): per layer the two norm weights in `norms`;
 // per linear (qkv, o, gate_up, down of each layer) four tensor slots in `lin_tensors` and two
-// ints in `lin_meta` (kind, format: stack_linears.h lists the kinds); an optional qkv bias per
+// ints in `lin_meta` (kind, format: stack_common.h lists the kinds); an optional qkv bias per
 // layer, the KV cache pair per layer in `kv`, and the step's rotary tables, slots and attention
 // plan (the tensors tessera/attention/invariant_cpu.py's _kernel_plan makes). dims = (heads, kv
 // heads, head_dim, hidden, intermediate); windows = each layer's sliding window (0 = none).
@@ -24,7 +24,7 @@
 #include <optional>
 #include <tuple>
 
-#include "stack_linears.h"
+#include "stack_common.h"
 
 namespace {
 
@@ -57,10 +57,7 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
   static const auto rotary_kv = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                               int64_t, int64_t, int64_t, at::Tensor&, at::Tensor&, const at::Tensor&)>(
       "tessera_inv::rotary_kv");
-  static const auto attention = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                              const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double,
-                                              int64_t, const OptTensor&, const OptTensor&, int64_t)>(
-      "tessera_inv::paged_attention");
+  const auto& attention = paged_attention_op();
   static const auto silu_mul = op<at::Tensor(const at::Tensor&)>("tessera_inv::silu_mul");
   static const auto bf16_linear_silu = op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)>(
       "tessera_inv::linear_bf16_silu");
@@ -69,7 +66,7 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
   static const auto f32_blocks = op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t, int64_t,
                                                int64_t)>("tessera_inv::linear_f32_blocks");
 
-  TORCH_CHECK(dims.size() == 5, "decoder_stack: dims = (heads, kv_heads, head_dim, hidden, intermediate)");
+  check_stack_step("decoder_stack", hidden, dims);
   const int64_t h = dims[0], hkv = dims[1], d = dims[2], hidden_size = dims[3], inter = dims[4];
   const int64_t layers = static_cast<int64_t>(windows.size());
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers && static_cast<int64_t>(lin_tensors.size()) == 16 * layers &&
@@ -77,10 +74,7 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
                   static_cast<int64_t>(qkv_bias.size()) == layers,
               "decoder_stack: per layer 2 norms, 4 linears (4 tensor slots, kind and format each), a bias slot, "
               "a K/V pair and a window");
-  TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_size && hidden.is_contiguous(),
-              "decoder_stack: hidden must be contiguous [T, ", hidden_size, "]");
   const bool bf16 = hidden.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || hidden.scalar_type() == at::kFloat, "decoder_stack: bf16 or float32 hidden states");
   const StackLinears lin{lin_tensors, lin_meta};
   // Linear j (0 qkv, 1 o, 2 gate_up, 3 down) of layer l.
   auto linear = [&](int64_t l, int64_t j, const at::Tensor& x, const OptTensor& bias, int64_t n) {

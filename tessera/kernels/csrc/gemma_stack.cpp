@@ -12,7 +12,7 @@
 //
 // Inputs (tessera/model/gemma_stack.py builds them): per layer six norm scales (1 + weight, float32:
 // input, q, k, post-attention, pre-feedforward, post-feedforward) in `norms`; per linear (qkv, o,
-// gate_up, down of each layer) four tensor slots and (kind, format) as stack_linears.h takes them;
+// gate_up, down of each layer) four tensor slots and (kind, format) as stack_common.h takes them;
 // the KV cache pair per layer in `kv`; both rotary tables (global, local); the step's positions,
 // slots and attention plan. dims = (heads, kv heads, head_dim, hidden, intermediate); windows =
 // each layer's sliding window (0 = none); local = whether a layer takes the local rotary table.
@@ -22,7 +22,7 @@
 
 #include <optional>
 
-#include "stack_linears.h"
+#include "stack_common.h"
 
 namespace {
 
@@ -38,12 +38,9 @@ at::Tensor gemma_stack(const at::Tensor& hidden, at::TensorList norms, const c10
                                            int64_t, int64_t)>("tessera_inv::rotary");
   static const auto write_kv = op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
                                        const at::Tensor&)>("tessera_inv::write_kv");
-  static const auto attention = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                              const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double,
-                                              int64_t, const OptTensor&, const OptTensor&, int64_t)>(
-      "tessera_inv::paged_attention");
+  const auto& attention = paged_attention_op();
 
-  TORCH_CHECK(dims.size() == 5, "gemma_stack: dims = (heads, kv_heads, head_dim, hidden, intermediate)");
+  check_stack_step("gemma_stack", hidden, dims);
   const int64_t h = dims[0], hkv = dims[1], d = dims[2], hidden_size = dims[3], inter = dims[4];
   const int64_t layers = static_cast<int64_t>(windows.size());
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == 6 * layers && static_cast<int64_t>(lin_tensors.size()) == 16 * layers &&
@@ -51,10 +48,6 @@ at::Tensor gemma_stack(const at::Tensor& hidden, at::TensorList norms, const c10
                   static_cast<int64_t>(local.size()) == layers,
               "gemma_stack: per layer 6 norm scales, 4 linears (4 tensor slots, kind and format each), a K/V pair, "
               "a window and a local flag");
-  TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_size && hidden.is_contiguous(),
-              "gemma_stack: hidden must be contiguous [T, ", hidden_size, "]");
-  TORCH_CHECK(hidden.scalar_type() == at::kBFloat16 || hidden.scalar_type() == at::kFloat,
-              "gemma_stack: bf16 or float32 hidden states");
   const StackLinears lin{lin_tensors, lin_meta};
   const int64_t tokens = hidden.size(0), qkv_n = (h + 2 * hkv) * d;
   const OptTensor none;

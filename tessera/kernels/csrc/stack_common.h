@@ -1,5 +1,5 @@
-// The linears of a native decoder stack (decoder_stack.cpp: llama; gemma_stack.cpp: Gemma 3), as
-// the stacks take them: per linear four tensor slots in `lin_tensors` and two ints in `lin_meta`
+// What the native decoder stacks (decoder_stack.cpp: llama; gemma_stack.cpp: Gemma 3) share: the
+// paged_attention handle, the checks of their common inputs, and their linears, as the stacks take them: per linear four tensor slots in `lin_tensors` and two ints in `lin_meta`
 // (kind, format), built by tessera/model/native_stack.py (_linear_spec). Kinds:
 //   0 bf16 InvariantLinear: linear_bf16(x, packed)         1 fp32 InvariantLinear: linear_f32(x, wt)
 //     (format 1: a gate_up packed in pairs, linear_f32_pairs, its SiLU in the store);
@@ -68,6 +68,27 @@ at::Tensor quant_linear(const at::Tensor& x, const c10::List<OptTensor>& t, int6
   }
   TORCH_CHECK(kind == 3, "native stack: unknown linear kind ", kind);
   return kq_linear(x, *get(0), *get(1), *get(2), get(3), fmt, n);
+}
+
+// tessera_inv::paged_attention, called the same way by both stacks.
+const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                          const at::Tensor&, const at::Tensor&, int64_t, double, int64_t,
+                                          const OptTensor&, const OptTensor&, int64_t)>&
+paged_attention_op() {
+  static const auto handle = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                           const at::Tensor&, const at::Tensor&, int64_t, double, int64_t,
+                                           const OptTensor&, const OptTensor&, int64_t)>("tessera_inv::paged_attention");
+  return handle;
+}
+
+// dims = (heads, kv heads, head_dim, hidden, intermediate), and hidden contiguous bf16 or float32
+// [T, hidden]: what both stacks need of their step. `name` prefixes the error.
+void check_stack_step(const char* name, const at::Tensor& hidden, at::IntArrayRef dims) {
+  TORCH_CHECK(dims.size() == 5, name, ": dims = (heads, kv_heads, head_dim, hidden, intermediate)");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == dims[3] && hidden.is_contiguous(),
+              name, ": hidden must be contiguous [T, ", dims[3], "]");
+  TORCH_CHECK(hidden.scalar_type() == at::kBFloat16 || hidden.scalar_type() == at::kFloat,
+              name, ": bf16 or float32 hidden states");
 }
 
 // A stack's linears: (*this)(li, x, bias, n) is linear li's output [T, n] on x.
