@@ -41,7 +41,6 @@ import os
 
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf.constants import GGML_QUANT_SIZES
 
 from tessera import memory
 
@@ -155,7 +154,8 @@ def _panels(b: torch.Tensor, fmt: int) -> torch.Tensor:
 def blocks_of(raw: torch.Tensor, qtype, rows: int, pairs: bool) -> torch.Tensor:
     """A weight's GGUF block bytes uint8 [rows, bytes per row] (a fused slot's parts in order) of a
     FORMAT type -> the kernel's blocks in panel order (pairs: a gate_up in the paired layout)."""
-    from tessera.quant.gguf_int8_activations import decode_q4_blocks, file_codes
+    from tessera.quant.gguf_int8_activations import decode_q4_blocks
+    from tessera.quant.gguf_kquant import KQUANT_TYPES, kquant_codes
     from tessera.quant.gguf_native import _blocks
 
     if qtype == Q.Q8_0:
@@ -163,37 +163,10 @@ def blocks_of(raw: torch.Tensor, qtype, rows: int, pairs: bool) -> torch.Tensor:
         d = torch.from_numpy(b[..., 0:2].copy()).view(torch.float16)[..., 0]
         codes = torch.from_numpy(b[..., 2:].copy()).view(torch.int8).reshape(rows, -1)
         return pack_q8(codes, d, pairs)
-    if qtype in (Q.Q5_0, Q.Q5_1, Q.Q5_K):
-        from tessera.quant.gguf_kquant import _f16, _k_scales, _nibble_subblocks, _q5_codes
-
-        b = raw.view(rows, -1, GGML_QUANT_SIZES[qtype][1])
-        if qtype == Q.Q5_0:  # W = d (q - 16): the int8 code q - 16 with Q8_0's float16 d
-            codes = (_q5_codes(b[..., 2:6], b[..., 6:22]) - 16).to(torch.int8).reshape(rows, -1)
-            return pack_q8(codes, b[..., 0:2].contiguous().view(torch.float16)[..., 0], pairs)
-        if qtype == Q.Q5_1:  # W = d q + m
-            codes = _q5_codes(b[..., 4:8], b[..., 8:24]).to(torch.int8).reshape(rows, -1)
-            return pack_q8(codes, _f16(b[..., 0:2])[..., 0], pairs, _f16(b[..., 2:4])[..., 0])
-        # Q5_K, 256-weight super-blocks of 8 sub-blocks: W = (d sc) q - dmin mn, q = low | high << 4
-        scale, offset = _k_scales(b)  # float32 [rows, K / 256, 8, 1], exact
-        high = b[..., 16:48].reshape(rows, -1, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(8, 1)
-        codes = (_nibble_subblocks(b[..., 48:176]) | ((high & 1) << 4)).to(torch.int8).reshape(rows, -1)
-        return pack_q8(codes, scale.reshape(rows, -1), pairs, -offset.reshape(rows, -1))
-    if qtype == Q.Q4_K:  # 256-weight super-blocks of 8 sub-blocks: W = (d sc) q - dmin mn
-        from tessera.quant.gguf_kquant import _k_scales, _nibble_subblocks
-
-        b = raw.view(rows, -1, 144)
-        scale, offset = _k_scales(b)  # float32 [rows, K / 256, 8, 1], exact products of float16 and 6 bits
-        codes = _nibble_subblocks(b[..., 16:144]).reshape(rows, -1)
-        return pack_q4(codes, scale.reshape(rows, -1), -offset.reshape(rows, -1), pairs)
-    if qtype == Q.Q6_K:  # 256-weight super-blocks of 16 sub-blocks: W = fl((d sc) (q - 32))
-        from tessera.quant.gguf_kquant import _f16, _q6_codes
-
-        b = raw.view(rows, -1, 210)
-        scale = _f16(b[..., 208:210]) * b[..., 192:208].contiguous().view(torch.int8).float()  # exact
-        codes = (_q6_codes(b) - 32).reshape(rows, -1)
-        return pack_q8(codes, scale.reshape(rows, -1), pairs)
-    qs, d, m = decode_q4_blocks(_blocks(raw.numpy(), qtype, rows), qtype)
-    return pack_q4(file_codes(qs), d, m, pairs)
+    if qtype in KQUANT_TYPES:  # the file's codes and exact scales (Q4_K 4-bit, the others int8)
+        codes, d, m = kquant_codes(raw, qtype)
+        return pack_q4(codes, d, m, pairs) if qtype == Q.Q4_K else pack_q8(codes, d, pairs, m)
+    return pack_q4(*decode_q4_blocks(_blocks(raw.numpy(), qtype, rows), qtype), pairs)
 
 
 @torch.no_grad()

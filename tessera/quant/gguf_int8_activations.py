@@ -35,8 +35,8 @@ GROUP = 8  # weight rows interleaved per group
 
 
 def decode_q4_blocks(blocks: np.ndarray, qtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_0 (18-byte) or Q4_1 (20-byte) blocks uint8 [rows, K / 32, bytes] -> (codes as the file
-    stores them uint8 [rows, K / 2], d, m float16 [rows, K / 32]); W = d q + m."""
+    """Q4_0 (18-byte) or Q4_1 (20-byte) blocks uint8 [rows, K / 32, bytes] -> (codes uint8 [rows, K] in
+    0..15, d, m float16 [rows, K / 32]); W = d q + m."""
     from gguf import GGMLQuantizationType as Q
 
     rows = blocks.shape[0]
@@ -48,7 +48,7 @@ def decode_q4_blocks(blocks: np.ndarray, qtype) -> tuple[torch.Tensor, torch.Ten
         m, codes = -8 * d, blocks[..., 2:]
         if not torch.isfinite(m).all():
             raise ValueError("a Q4_0 block scale overflows float16 once multiplied by 8")
-    return torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, -1).copy()), d, m
+    return file_codes(torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, -1).copy())), d, m
 
 
 def file_codes(qs: torch.Tensor) -> torch.Tensor:
@@ -160,18 +160,10 @@ class _Int8ActivationLinear(QuantLinear):
 class Q4BlocksLinear(_Int8ActivationLinear):
     """A GGUF Q4_0, Q4_1 or Q4_K weight in the q4x8 layout: W = d q + m per 32."""
 
-    def __init__(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
-        """qs: the file's Q4_0 / Q4_1 codes uint8 [N, K / 2]; d, m: [N, K / 32] (float16 values)."""
-        self._init(file_codes(qs), d, m, torch.float16)
-
-    @classmethod
-    def from_codes(cls, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Q4BlocksLinear:
-        """codes uint8 [N, K] in 0..15; d, m float32 [N, K / 32] (Q4_K's d sc and -dmin mn)."""
-        layer = cls.__new__(cls)
-        layer._init(codes, d, m, torch.float32)
-        return layer
-
-    def _init(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, scale_dtype: torch.dtype) -> None:
+    def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                 scale_dtype: torch.dtype = torch.float16) -> None:
+        """codes uint8 [N, K] in 0..15; d, m [N, K / 32], exact in scale_dtype (float16: Q4_0 / Q4_1's
+        own; float32: Q4_K's d sc and -dmin mn)."""
         super().__init__(*codes.shape)
         packed, dp, mp = pack_q4x8(codes, d, m, scale_dtype)
         self.register_buffer("qs", packed)
@@ -211,25 +203,17 @@ class Q8BlocksLinear(_Int8ActivationLinear):
 def kquant_parts(raw: torch.Tensor, qtype) -> tuple | None:
     """A Q5_0, Q4_K or Q6_K tensor's block bytes uint8 [N, bytes per row] as the parts of a layer on
     int8 activations: ("q8_blocks", codes, d), ("q8_blocks16", codes, d) or ("q4_codes", codes, d, m)
-    (gguf_native._layer builds it); None for another type. The codes and scales are exactly those
-    of gguf_kquant's decoders, which equal the `gguf` package's dequantization bit for bit."""
+    (gguf_native._layer builds it); None for another type. The codes and scales are
+    gguf_kquant.kquant_codes', whose weights equal the `gguf` package's dequantization bit for bit."""
     from gguf import GGMLQuantizationType as Q
-    from gguf.constants import GGML_QUANT_SIZES
 
-    from tessera.quant import gguf_kquant as kq
+    from tessera.quant.gguf_kquant import kquant_codes
 
     if qtype not in (Q.Q5_0, Q.Q4_K, Q.Q6_K):
         return None
-    rows = raw.shape[0]
-    b = raw.reshape(rows, -1, GGML_QUANT_SIZES[qtype][1])
+    codes, d, m = kquant_codes(raw, qtype)
     if qtype == Q.Q5_0:  # W = d (q - 16): int8 codes in -16..15, the file's float16 d
-        codes = (kq._q5_codes(b[..., 2:6], b[..., 6:22]) - 16).to(torch.int8)
-        return "q8_blocks", codes.reshape(rows, -1), kq._f16(b[..., 0:2])[..., 0]
+        return "q8_blocks", codes, d
     if qtype == Q.Q4_K:  # W = (d sc) q - dmin mn per 32: q4x8 with float32 d and m
-        scale, offset = kq._k_scales(b)
-        codes = kq._nibble_subblocks(b[..., 16:144])
-        return "q4_codes", codes.reshape(rows, -1), scale.reshape(rows, -1), -offset.reshape(rows, -1)
-    # Q6_K: W = (d scale) (q - 32) per 16
-    codes = (kq._q6_codes(b) - 32).reshape(rows, -1)
-    d = kq._f16(b[..., 208:210]) * b[..., 192:208].contiguous().view(torch.int8).float()
-    return "q8_blocks16", codes, d.reshape(rows, -1)
+        return "q4_codes", codes, d, m
+    return "q8_blocks16", codes, d  # Q6_K: W = (d scale) (q - 32) per 16

@@ -125,6 +125,37 @@ _DECODERS = {Q.Q4_0: _decode_q4_0, Q.Q4_1: _decode_q4_1, Q.Q5_0: _decode_q5_0, Q
              Q.Q4_K: _decode_q4_k, Q.Q5_K: _decode_q5_k, Q.Q6_K: _decode_q6_k}
 
 
+def kquant_codes(raw: torch.Tensor, qtype: Q) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A KQUANT_TYPES tensor's block bytes uint8 [rows, bytes per row] -> (codes [rows, K], d, m or None)
+    with W = d q + m per sub-block, the decoders' values exactly:
+    - Q5_0: int8 q - 16, the file's float16 d [rows, K / 32], no m;
+    - Q5_1, Q5_K: int8 q in 0..31, float32 d and m [rows, K / 32] (Q5_K: d sc and -dmin mn);
+    - Q4_K: uint8 q in 0..15, float32 d sc and -dmin mn [rows, K / 32];
+    - Q6_K: int8 q - 32, float32 d scale [rows, K / 16], no m.
+    The float32 scales are products of a float16 and a small integer: exact. For the kernels that take
+    a block's codes and scales (gguf_f32_blocks.py, gguf_int8_activations.py)."""
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, GGML_QUANT_SIZES[qtype][1])
+    if qtype == Q.Q5_0:
+        codes = _q5_codes(b[..., 2:6], b[..., 6:22]) - 16
+        return codes.to(torch.int8).reshape(rows, -1), b[..., 0:2].contiguous().view(torch.float16)[..., 0], None
+    if qtype == Q.Q5_1:
+        codes = _q5_codes(b[..., 4:8], b[..., 8:24]).to(torch.int8).reshape(rows, -1)
+        return codes, _f16(b[..., 0:2])[..., 0], _f16(b[..., 2:4])[..., 0]
+    if qtype == Q.Q6_K:
+        scale = _f16(b[..., 208:210]) * b[..., 192:208].contiguous().view(torch.int8).float()
+        return (_q6_codes(b) - 32).reshape(rows, -1), scale.reshape(rows, -1), None
+    if qtype not in (Q.Q4_K, Q.Q5_K):
+        raise ValueError(f"kquant_codes: {qtype.name} is not one of {', '.join(t.name for t in KQUANT_TYPES)}")
+    scale, offset = _k_scales(b)  # [rows, K / 256, 8, 1]
+    if qtype == Q.Q4_K:
+        codes = _nibble_subblocks(b[..., 16:144])
+    else:  # Q5_K: q = low | high << 4
+        high = b[..., 16:48].reshape(rows, -1, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(8, 1)
+        codes = (_nibble_subblocks(b[..., 48:176]) | ((high & 1) << 4)).to(torch.int8)
+    return codes.reshape(rows, -1), scale.reshape(rows, -1), -offset.reshape(rows, -1)
+
+
 def decode_rows(raw: torch.Tensor, qtype: Q) -> torch.Tensor:
     """Raw block bytes uint8 [R, bytes per row] of a KQUANT_TYPES (or Q4_0 / Q4_1) tensor -> float32 [R, K]."""
     block, nbytes = GGML_QUANT_SIZES[qtype]

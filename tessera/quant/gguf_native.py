@@ -188,7 +188,7 @@ def on_int8_activations() -> bool:
 
 
 def _decode(tensor) -> tuple | None:
-    """A GGUF tensor as ("int4", codes, scale, zero), ("q8_0", codes, d), ("q4_blocks", qs, d, m),
+    """A GGUF tensor as ("int4", codes, scale, zero), ("q8_0", codes, d), ("q4_blocks", codes, d, m),
     ("q8_blocks", codes, d), one of kquant_parts' kinds or (type name, raw block bytes uint8 [rows,
     bytes per row]); None if not native."""
     rows = int(np.prod(tensor.shape[1:]))  # GGUF lists dims innermost first
@@ -231,7 +231,7 @@ def _layer(kind: str, parts: list[torch.Tensor]) -> QuantLinear:
     if kind == "q8_blocks16":
         return Q8BlocksLinear(*parts, scale_dtype=torch.float32)
     if kind == "q4_codes":
-        return Q4BlocksLinear.from_codes(*parts)
+        return Q4BlocksLinear(*parts, scale_dtype=torch.float32)
     return GGUFBlockLinear(*parts, Q[kind])
 
 
