@@ -12,6 +12,7 @@ attention-metadata plan, if the backend builds one inside the forward, is listed
     python benchmarks/engine_overhead.py --tiny                # a tiny random model: overhead dominates
     python benchmarks/engine_overhead.py --sampling top-p --stop "\\n\\n" --json out.json
     python benchmarks/engine_overhead.py --sampling temperature --seeded   # the seeded race
+    python benchmarks/engine_overhead.py --quantization gguf --batch 1 --sampling greedy
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> dict:
         from tests.tiny_model import make_tiny_model_dir
 
         model = str(make_tiny_model_dir(Path(tempfile.mkdtemp()), num_layers=2, max_position_embeddings=4096))
-    config = EngineConfig(model=model, dtype=args.dtype, max_num_seqs=max(args.batch, 1),
+    config = EngineConfig(model=model, dtype=args.dtype, quantization=args.quantization, max_num_seqs=max(args.batch, 1),
                           max_num_batched_tokens=max(args.batch * args.input_len, 512), seed=0)
     engine = LLMEngine(config)
     timer = PhaseTimer()
@@ -120,6 +121,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "model": args.model if not args.tiny else "tiny-random",
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "batch": args.batch,
         "input_len": args.input_len,
         "output_len": args.output_len,
@@ -138,6 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of --model")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default="none", help="as `tessera generate --quantization` (e.g. gguf)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
@@ -150,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", type=Path, default=None, help="write the result here")
     args = ap.parse_args(argv)
     result = run(args)
-    print(f"engine overhead per decode step: {result['model']} {result['dtype']}, batch {result['batch']}, "
+    print(f"engine overhead per decode step: {result['model']} {result['dtype']} quantization={result['quantization']}, batch {result['batch']}, "
           f"prompt {result['input_len']}, {result['output_len']} out, {result['sampling']} sampling, "
           f"stop={result['stop']}; {result['decode_steps_measured']} steps; CPU: {result['cpu']}")
     print(f"{'phase':<28}{'median ms':>12}{'mean ms':>12}")

@@ -108,13 +108,19 @@ def gemv_int4pack(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Ten
     return _by_chunks(torch.ops.tessera_gemv.int4pack, x, packed, scales_zeros, group).to(x.dtype)
 
 
+def _x8_input(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8-activation kernels take it: float32 or bf16 as it is (their output comes in its
+    dtype), any other dtype in float32."""
+    return x.contiguous() if x.dtype in (torch.float32, torch.bfloat16) else _f32(x)
+
+
 def gemv_q4x8(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ W.T for GGUF Q4 blocks in the q4x8 layout (gguf_int8_activations.py) -> [M, 8 * groups],
-    x quantized to int8 per 32 first; any M (gemv_x8.h)."""
-    return torch.ops.tessera_gemv.q4x8(_f32(x), qs, d, m).to(x.dtype)
+    """x [M, K] @ W.T for GGUF Q4 blocks in the q4x8 layout (gguf_int8_activations.py) -> [M, 8 * groups]
+    in x's dtype, x quantized to int8 per 32 first; any M (gemv_x8.h)."""
+    return torch.ops.tessera_gemv.q4x8(_x8_input(x), qs, d, m).to(x.dtype)
 
 
 def gemv_q8x8(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ W.T for a GGUF Q8_0 weight in the q8x8 layout (gguf_int8_activations.py) -> [M, 8 *
-    groups], x quantized to int8 per 32 first; any M (gemv_x8.h)."""
-    return torch.ops.tessera_gemv.q8x8(_f32(x), qs, d).to(x.dtype)
+    groups] in x's dtype, x quantized to int8 per 32 first; any M (gemv_x8.h)."""
+    return torch.ops.tessera_gemv.q8x8(_x8_input(x), qs, d).to(x.dtype)

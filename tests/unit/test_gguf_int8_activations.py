@@ -135,9 +135,26 @@ def test_rows_do_not_depend_on_the_batch(qtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+def test_bf16_activations_give_the_float32_result_rounded(qtype):
+    # A bf16 step's linear is one call: the kernel reads bf16 x (exact in float32) and rounds its
+    # float32 result to bf16 itself, as .to(bfloat16) would (ties to even); rows past the kernel's
+    # register budget (40 > 32) and both halves of the thread split included.
+    _, layer = quantized(qtype, 200, 576, seed=11)
+    x = torch.randn(40, 576, generator=torch.Generator().manual_seed(21)).bfloat16()
+    op = torch.ops.tessera_gemv.q4x8 if qtype == Q.Q4_1 else torch.ops.tessera_gemv.q8x8
+    args = (layer.qs, layer.d, layer.m) if qtype == Q.Q4_1 else (layer.qs, layer.d)
+    y = op(x, *args)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y.view(torch.int16), op(x.float(), *args).bfloat16().view(torch.int16))
+    assert torch.equal(layer(x, kernel="native").view(torch.int16),
+                       layer(x.float(), kernel="native").bfloat16().view(torch.int16))
+
+
+@needs_kernel
 def test_kernel_rejects_bad_input():
     _, layer = quantized(Q.Q4_1, 16, 64)
-    with pytest.raises(RuntimeError, match=r"x must be contiguous float32 \[M, 64\]"):
+    with pytest.raises(RuntimeError, match=r"x must be contiguous float32 or bfloat16 \[M, 64\]"):
         torch.ops.tessera_gemv.q4x8(torch.randn(1, 32), layer.qs, layer.d, layer.m)
     with pytest.raises(RuntimeError, match="d and m must be contiguous float16"):
         torch.ops.tessera_gemv.q4x8(torch.randn(1, 64), layer.qs, layer.d.float(), layer.m)

@@ -11,8 +11,8 @@
 //     without a bias take kqgemm(the KQ kind) on the blocks, the others linear_bf16: the same bits
 //     either way, fewer bytes at decode;
 //   5, 6 GGUF blocks on int8 activations (x86 without AMX; tessera/quant/gguf_int8_activations.py):
-//     tessera_gemv::q4x8(x, qs, d, m) and q8x8(x, qs, d) on x in float32, their columns past n
-//     (padding rows) dropped, the result in x's dtype and their bias added after them, as the
+//     tessera_gemv::q4x8(x, qs, d, m) and q8x8(x, qs, d) on x (float32 or bf16, the result in its
+//     dtype), their columns past n (padding rows) dropped and their bias added after them, as the
 //     modules do;
 //   7 fp32 InvariantLinear with its GGUF blocks (tessera/quant/gguf_f32_blocks.py): packed, then
 //     blocks; format = paired (1) + 2 x (1 + linear_f32_blocks' format). Calls of up to
@@ -60,11 +60,10 @@ at::Tensor quant_linear(const at::Tensor& x, const c10::List<OptTensor>& t, int6
     static const auto q4 = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
         "tessera_gemv::q4x8");
     static const auto q8 = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>("tessera_gemv::q8x8");
-    // float32 x as the kernels take it; a bf16 step's output back in bf16, as the modules give it.
-    const at::Tensor xf = x.to(at::kFloat).contiguous();
-    at::Tensor y = kind == 5 ? q4.call(xf, *get(0), *get(1), *get(2)) : q8.call(xf, *get(0), *get(1));
-    if (y.size(1) > n) y = y.narrow(1, 0, n).contiguous();
-    return y.to(x.scalar_type());
+    // The kernels take x in float32 or bf16 and give y in x's dtype, as the modules do.
+    const at::Tensor xc = x.contiguous();
+    at::Tensor y = kind == 5 ? q4.call(xc, *get(0), *get(1), *get(2)) : q8.call(xc, *get(0), *get(1));
+    return y.size(1) > n ? y.narrow(1, 0, n).contiguous() : y;
   }
   TORCH_CHECK(kind == 3, "native stack: unknown linear kind ", kind);
   return kq_linear(x, *get(0), *get(1), *get(2), get(3), fmt, n);

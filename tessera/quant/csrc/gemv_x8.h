@@ -42,18 +42,41 @@ struct QuantizedX {
   std::vector<uint8_t> u;   // [M, K]: q + 128 (VPDPBUSD's unsigned operand for signed weights; VNNI only)
 };
 
+inline __m256 load8_f32(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8_f32(const at::BFloat16* p) {  // bf16 -> float32 is exact: a 16-bit shift
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// 8 floats to bf16, rounded to nearest even as c10::BFloat16(float) does (a NaN as its 0x7FC0).
+inline void store8_bf16(at::BFloat16* p, __m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  r = _mm256_blendv_epi8(_mm256_set1_epi32(0x7FC0), r, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_ORD_Q)));
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);  // lanes 0-3, 4-7 in order
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
+// x quantized per 32 into the calling thread's buffers (reused from call to call: a step's ~120
+// calls would otherwise each allocate and free them). T is float or at::BFloat16: a bf16 row is
+// quantized from its exact float32 values, so it gives the codes its float32 copy would.
 // with_unsigned: also fill u (q8x8's VPDPBUSD operand; q4x8 takes q itself).
-QuantizedX quantize_rows_q8_1(const float* x, int64_t m, int64_t k, bool with_unsigned) {
+template <typename T>
+const QuantizedX& quantize_rows_q8_1(const T* x, int64_t m, int64_t k, bool with_unsigned) {
   const int64_t nb = k / 32;
-  QuantizedX out{std::vector<int8_t>(m * k), std::vector<float>(m * nb), std::vector<float>(m * nb)};
+  thread_local QuantizedX out;
+  out.q.resize(m * k);
+  out.d.resize(m * nb);
+  out.s.resize(m * nb);
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t i = 0; i < m * nb; ++i) {
-    const float* v = x + i * 32;
+    const T* v = x + i * 32;
     __m256 f[4];
     __m256 amax = _mm256_setzero_ps();
     for (int j = 0; j < 4; ++j) {
-      f[j] = _mm256_loadu_ps(v + 8 * j);
+      f[j] = load8_f32(v + 8 * j);
       amax = _mm256_max_ps(amax, _mm256_and_ps(f[j], abs_mask));
     }
     __m128 a = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
@@ -76,11 +99,11 @@ QuantizedX quantize_rows_q8_1(const float* x, int64_t m, int64_t k, bool with_un
     out.s[i] = d * float(_mm_cvtsi128_si32(t));
   }
 #if TESSERA_X8_VNNI
-  if (with_unsigned) {
-    out.u.resize(m * k);
+  out.u.resize(with_unsigned ? m * k : 0);
+  if (with_unsigned)
     for (int64_t i = 0; i < m * k; ++i) out.u[i] = static_cast<uint8_t>(out.q[i]) ^ 0x80;
-  }
 #else
+  out.u.clear();
   (void)with_unsigned;
 #endif
   return out;
@@ -206,18 +229,30 @@ void q8x8_group(const int8_t* xq, const uint8_t* xu, const float* xd, const uint
   for (int i = 0; i < M; ++i) _mm256_storeu_ps(y + i * n + 8 * g, acc[i]);
 }
 
-// x [M, K] against `groups` groups of 8 weight rows -> y [M, 8 groups], any M: x is quantized once,
-// then each thread walks its groups in tiles of about 16 KiB of codes (which stay in L1) and runs
-// every chunk of up to kMaxRows activation rows over a tile: group(M, x codes, x codes + 128 (only
-// with_unsigned: q8x8 on VPDPBUSD), d_x, s_x, y, g). A row of the output depends only on its row of x
-// (its own quantization, the same block order), so the result does not depend on the batch.
+// x [M, K] against `groups` groups of 8 weight rows -> y [M, 8 groups] in x's dtype (float32 or
+// bf16), any M: x is quantized once, then each thread walks its groups in tiles of about 16 KiB of
+// codes (which stay in L1) and runs every chunk of up to kMaxRows activation rows over a tile:
+// group(M, x codes, x codes + 128 (only with_unsigned: q8x8 on VPDPBUSD), d_x, s_x, y, g). A row of
+// the output depends only on its row of x (its own quantization, the same block order), so the
+// result does not depend on the batch. A bf16 y is the float32 result rounded to nearest even (what
+// .to(bfloat16) gives), each thread rounding its own columns: a bf16 step's linear is one op, not
+// three (a conversion each way cost more than a small call's kernel, its code cold after the
+// weights streamed through the caches).
 template <typename Group>
 at::Tensor x8_groups(const at::Tensor& x, int64_t groups, int64_t k, int64_t group_bytes, bool with_unsigned,
                      Group&& group) {
   const int64_t m = x.size(0), n = 8 * groups, nb = k / 32;
-  const QuantizedX xq = quantize_rows_q8_1(x.data_ptr<float>(), m, k, with_unsigned);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const QuantizedX& xq = bf16 ? quantize_rows_q8_1(x.data_ptr<at::BFloat16>(), m, k, with_unsigned)
+                              : quantize_rows_q8_1(x.data_ptr<float>(), m, k, with_unsigned);
   auto y = at::empty({m, n}, x.options());
-  float* yp = y.data_ptr<float>();
+  thread_local std::vector<float> y32_buffer;  // the float32 result of a bf16 call (the caller's thread)
+  if (bf16) y32_buffer.resize(m * n);
+  float* yp = bf16 ? y32_buffer.data() : y.data_ptr<float>();
+  at::BFloat16* yb = bf16 ? y.data_ptr<at::BFloat16>() : nullptr;
+  const int8_t* q = xq.q.data();
+  const uint8_t* u = xq.u.empty() ? nullptr : xq.u.data();
+  const float *d = xq.d.data(), *s = xq.s.data();
   const int64_t tile = std::max<int64_t>(1, (16 << 10) / group_bytes);
   at::parallel_for(0, groups, 2, [&](int64_t g0, int64_t g1) {
     for (int64_t t0 = g0; t0 < g1; t0 += tile) {
@@ -225,17 +260,20 @@ at::Tensor x8_groups(const at::Tensor& x, int64_t groups, int64_t k, int64_t gro
       for (int64_t m0 = 0; m0 < m; m0 += kMaxRows)
         dispatch_rows<1>(std::min(kMaxRows, m - m0), [&]<int M>() {
           for (int64_t g = t0; g < t1; ++g)
-            group.template operator()<M>(xq.q.data() + m0 * k, xq.u.empty() ? nullptr : xq.u.data() + m0 * k,
-                                         xq.d.data() + m0 * nb, xq.s.data() + m0 * nb, yp + m0 * n, g);
+            group.template operator()<M>(q + m0 * k, u ? u + m0 * k : nullptr, d + m0 * nb, s + m0 * nb, yp + m0 * n, g);
         });
     }
+    if (bf16)
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t c = 8 * g0; c < 8 * g1; c += 8) store8_bf16(yb + i * n + c, _mm256_loadu_ps(yp + i * n + c));
   });
   return y;
 }
 
 void check_x8(const char* op, const at::Tensor& x, int64_t k, const at::Tensor& qs, int64_t block_bytes) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(0) >= 1,
-              "tessera_gemv.", op, ": x must be contiguous float32 [M, ", k, "]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.is_contiguous() && x.size(0) >= 1,
+              "tessera_gemv.", op, ": x must be contiguous float32 or bfloat16 [M, ", k, "]");
   TORCH_CHECK(qs.dim() == 3 && qs.size(2) == block_bytes && qs.scalar_type() == at::kByte && qs.is_contiguous(),
               "tessera_gemv.", op, ": qs must be contiguous uint8 [N / 8, K / 32, ", block_bytes, "]");
 }
