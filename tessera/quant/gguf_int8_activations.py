@@ -139,8 +139,12 @@ class _Int8ActivationLinear(QuantLinear):
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight as float32 [*ids.shape, in_features], exactly as dequantize()."""
         flat = ids.reshape(-1)
-        rows = self._groups(flat // GROUP).view(len(flat), GROUP, -1)[torch.arange(len(flat)), flat % GROUP]
-        return rows.view(*ids.shape, self.in_features)
+        return self._rows(flat // GROUP, flat % GROUP).view(*ids.shape, self.in_features)
+
+    def _rows(self, g: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        """Row i of group g for each pair, as float32 [len(g), K]: an embedding lookup gathers only
+        its rows' bytes (unpacking their whole groups cost ~0.1 ms a decode step)."""
+        raise NotImplementedError
 
     def select_kernel(self, num_rows: int) -> str:
         return "native" if self.native_ok() else "dequant"
@@ -176,6 +180,13 @@ class Q4BlocksLinear(_Int8ActivationLinear):
         d, m = (_row_scales(t[g]) for t in (self.d, self.m))
         return (q.view(rows, -1, BLOCK) * d[..., None] + m[..., None]).view(rows, -1)
 
+    def _rows(self, g: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        # byte 4 i + t of vector j: row i's codes at 8 j + t (low nibble) and 8 j + 4 + t (high)
+        v = self.qs.view(self.qs.shape[0], -1, 4, GROUP, 4)[g, :, :, i]  # [R, blocks, j, t]
+        q = torch.stack([v & 15, v >> 4], dim=3).view(len(g), -1, BLOCK).float()
+        d, m = (t[g, :, i].float()[..., None] for t in (self.d, self.m))
+        return (q * d + m).view(len(g), -1)
+
     def _native(self, x: torch.Tensor) -> torch.Tensor:
         return native_gemv.gemv_q4x8(x, self.qs, self.d, self.m)
 
@@ -195,6 +206,12 @@ class Q8BlocksLinear(_Int8ActivationLinear):
         q = unpack_q8x8(self.qs[g]).float()
         rows, per = q.shape[0], self.in_features // self.d.shape[1]
         return (q.view(rows, -1, per) * _row_scales(self.d[g])[..., None]).view(rows, -1)
+
+    def _rows(self, g: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        # byte 4 i + t of vector j: row i's code at 4 j + t
+        q = self.qs.view(self.qs.shape[0], -1, 8, GROUP, 4)[g, :, :, i].reshape(len(g), -1).view(torch.int8)
+        d = self.d[g, :, i].float()  # [R, K / 32 or K / 16]
+        return (q.float().view(len(g), d.shape[1], -1) * d[..., None]).view(len(g), -1)
 
     def _native(self, x: torch.Tensor) -> torch.Tensor:
         return native_gemv.gemv_q8x8(x, self.qs, self.d)
