@@ -149,6 +149,17 @@ class _Int8ActivationLinear(QuantLinear):
     def select_kernel(self, num_rows: int) -> str:
         return "native" if self.native_ok() else "dequant"
 
+    def logits_argmax(self, x: torch.Tensor, logits: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """bf16 x [M, K] -> (forward(x).float(), each row's first maximum of it) in one call, the ids
+        found as the kernel rounds its output (greedy sampling reads no logits); without `logits` the
+        first is [M, 0]. None where padding rows would join the race (out_features not a multiple of 8)."""
+        if not self.native_ok() or self.out_features % GROUP:
+            return None
+        return self._native_logits(x.contiguous(), logits)
+
+    def _native_logits(self, x: torch.Tensor, logits: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
     def _native(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
@@ -190,6 +201,9 @@ class Q4BlocksLinear(_Int8ActivationLinear):
     def _native(self, x: torch.Tensor) -> torch.Tensor:
         return native_gemv.gemv_q4x8(x, self.qs, self.d, self.m)
 
+    def _native_logits(self, x: torch.Tensor, logits: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.ops.tessera_gemv.q4x8_logits(x, self.qs, self.d, self.m, True, logits)
+
 
 class Q8BlocksLinear(_Int8ActivationLinear):
     """A GGUF Q8_0, Q5_0 or Q6_K weight in the q8x8 layout: W = d q, a scale per 32 or per 16."""
@@ -215,6 +229,9 @@ class Q8BlocksLinear(_Int8ActivationLinear):
 
     def _native(self, x: torch.Tensor) -> torch.Tensor:
         return native_gemv.gemv_q8x8(x, self.qs, self.d)
+
+    def _native_logits(self, x: torch.Tensor, logits: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.ops.tessera_gemv.q8x8_logits(x, self.qs, self.d, True, logits)
 
 
 def kquant_parts(raw: torch.Tensor, qtype) -> tuple | None:

@@ -75,6 +75,15 @@ def _register_fakes() -> None:
     torch.library.register_fake("tessera_gemv::q4x8")(lambda x, qs, d, m: out(x, 8 * qs.shape[0]))
     torch.library.register_fake("tessera_gemv::q8x8")(lambda x, qs, d: out(x, 8 * qs.shape[0]))
 
+    def logits_out(x: torch.Tensor, qs: torch.Tensor, argmax: bool, logits: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return (x.new_empty(x.shape[0], 8 * qs.shape[0] if logits else 0, dtype=torch.float32),
+                x.new_empty(x.shape[0] if argmax else 0, dtype=torch.long))
+
+    torch.library.register_fake("tessera_gemv::q4x8_logits")(
+        lambda x, qs, d, m, argmax, logits=True: logits_out(x, qs, argmax, logits))
+    torch.library.register_fake("tessera_gemv::q8x8_logits")(
+        lambda x, qs, d, argmax, logits=True: logits_out(x, qs, argmax, logits))
+
 
 def usable(x: torch.Tensor) -> bool:
     """Whether a call with activations x can take a native kernel."""

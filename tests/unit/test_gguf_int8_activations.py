@@ -225,3 +225,25 @@ def test_q8x8_layout_takes_a_scale_per_32_or_per_16_only():
 
 def test_other_block_types_have_no_kquant_parts():
     assert kquant_parts(torch.zeros(1, 24, dtype=torch.uint8), Q.Q5_1) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+def test_lm_head_logits_and_first_maximum_in_one_call(qtype):
+    # An lm_head on bf16 x: the logits are forward(x).float() and the ids torch.argmax's of them. Rows
+    # 90, 91 and 150 of the weight are equal and point along x's first row, so they tie for its
+    # maximum across lanes and across the two threads' halves of the columns (the first, 90, wins).
+    w = (np.random.default_rng(5).standard_normal((200, 576)) * 0.05).astype(np.float32)
+    x = torch.randn(40, 576, generator=torch.Generator().manual_seed(22)).bfloat16()
+    w[[90, 91, 150]] = x[0].float().numpy() * 0.2
+    raw = gguf.quants.quantize(w, qtype)
+    layer = (Q8BlocksLinear(*decode_q8_0(raw, 200)) if qtype == Q.Q8_0
+             else Q4BlocksLinear(*decode_q4_blocks(_blocks(raw, qtype, 200), qtype)))
+    want = layer(x, kernel="native").float()
+    logits, ids = layer.logits_argmax(x)
+    assert logits.dtype == torch.float32 and torch.equal(logits, want)
+    assert torch.equal(ids, want.argmax(-1)) and ids[0] == 90
+    empty, only_ids = layer.logits_argmax(x, logits=False)
+    assert empty.shape == (40, 0) and torch.equal(only_ids, ids)
+    odd = Q8BlocksLinear(*decode_q8_0(gguf.quants.quantize(w[:196], Q.Q8_0), 196))
+    assert odd.logits_argmax(x) is None  # its padding rows would join the race

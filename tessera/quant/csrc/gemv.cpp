@@ -3,7 +3,8 @@
 // Each kernel reads its weight once in its stored format and multiplies it with up to
 // kMaxRows float32 activation rows at a time, dequantizing in registers (float32 FMA, no int8
 // activation rounding, so results equal x @ dequantize(W).T up to float32 summation order).
-// Registered as torch ops tessera_gemv::{int8, q8_0, int4pack}, and {q4x8, q8x8} from gemv_x8.h
+// Registered as torch ops tessera_gemv::{int8, q8_0, int4pack}, and {q4x8, q8x8} (with their
+// lm_head forms q4x8_logits, q8x8_logits) from gemv_x8.h
 // (GGUF blocks on int8 activations); the loader is tessera/quant/native_gemv.py, which falls back
 // to the torch kernels when this fails to build.
 //
@@ -20,6 +21,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <mutex>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -284,12 +288,18 @@ TORCH_LIBRARY(tessera_gemv, lib) {
   lib.def("int4pack(Tensor x, Tensor packed, Tensor scales_zeros, int group) -> Tensor");
   lib.def("q4x8(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor");
   lib.def("q8x8(Tensor x, Tensor qs, Tensor d) -> Tensor");
+  lib.def("q4x8_logits(Tensor x, Tensor qs, Tensor d, Tensor m, bool argmax, bool logits=True) -> (Tensor, Tensor)");
+  lib.def("q8x8_logits(Tensor x, Tensor qs, Tensor d, bool argmax, bool logits=True) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tessera_gemv, CPU, lib) {
   lib.impl("int8", &gemv_int8);
   lib.impl("q8_0", &gemv_q8_0);
   lib.impl("int4pack", &gemv_int4pack);
-  lib.impl("q4x8", &gemv_q4x8);
-  lib.impl("q8x8", &gemv_q8x8);
+  lib.impl("q4x8", [](const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
+    return gemv_q4x8(x, qs, d, m);
+  });
+  lib.impl("q8x8", [](const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) { return gemv_q8x8(x, qs, d); });
+  lib.impl("q4x8_logits", &gemv_q4x8_logits);
+  lib.impl("q8x8_logits", &gemv_q8x8_logits);
 }

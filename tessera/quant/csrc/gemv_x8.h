@@ -48,13 +48,17 @@ inline __m256 load8_f32(const at::BFloat16* p) {  // bf16 -> float32 is exact: a
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// 8 floats to bf16, rounded to nearest even as c10::BFloat16(float) does (a NaN as its 0x7FC0).
-inline void store8_bf16(at::BFloat16* p, __m256 v) {
+// 8 floats rounded to bf16, nearest even as c10::BFloat16(float) does (a NaN as its 0x7FC0): the
+// 16-bit results in the low halves of the 32-bit lanes.
+inline __m256i round8_bf16(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  r = _mm256_blendv_epi8(_mm256_set1_epi32(0x7FC0), r, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_ORD_Q)));
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);  // lanes 0-3, 4-7 in order
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  return _mm256_blendv_epi8(_mm256_set1_epi32(0x7FC0), r, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_ORD_Q)));
+}
+
+inline void store8_bf16(at::BFloat16* p, __m256 v) {
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(round8_bf16(v), round8_bf16(v)), 0x08);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
 
@@ -229,6 +233,60 @@ void q8x8_group(const int8_t* xq, const uint8_t* xu, const float* xd, const uint
   for (int i = 0; i < M; ++i) _mm256_storeu_ps(y + i * n + 8 * g, acc[i]);
 }
 
+// An lm_head's call (x8_groups with `logits`): the bf16 output widened to float32 (forward(x).float()
+// without the bf16 [M, N] between), stored unless `store` is false, and with `argmax` each row's
+// first maximum of those values, found as each thread rounds its columns: greedy sampling need not
+// read the logits again. As the other kernels' argmax (argmax_rows.h): torch.argmax's index, except
+// that a NaN never wins.
+struct X8Logits {
+  bool store = true, argmax = false;
+  float* out = nullptr;       // [M, N] where store
+  int64_t* ids = nullptr;     // [M] where argmax
+  struct Part { int64_t begin, row; float value; int64_t index; };
+  std::mutex mu;
+  std::vector<Part> parts;    // each thread's first maximum of each row over its columns
+
+  // Columns [c0, c1) of rows [0, m) of the float32 products y (row stride n).
+  void take(const float* y, int64_t m, int64_t n, int64_t c0, int64_t c1) {
+    std::vector<Part> mine;
+    for (int64_t i = 0; i < m; ++i) {
+      __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+      __m256i at = _mm256_setzero_si256();
+      for (int64_t c = c0; c < c1; c += 8) {
+        const __m256 w = _mm256_castsi256_ps(_mm256_slli_epi32(round8_bf16(_mm256_loadu_ps(y + i * n + c)), 16));
+        if (store) _mm256_storeu_ps(out + i * n + c, w);
+        if (!argmax) continue;
+        const __m256 gt = _mm256_cmp_ps(w, best, _CMP_GT_OQ);  // strict: a lane keeps its first maximum
+        best = _mm256_blendv_ps(best, w, gt);
+        const __m256i cols = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(c)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        at = _mm256_blendv_epi8(at, cols, _mm256_castps_si256(gt));
+      }
+      if (!argmax) continue;
+      alignas(32) float v[8];
+      alignas(32) int32_t j[8];
+      _mm256_store_ps(v, best);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(j), at);
+      Part p{c0, i, v[0], j[0]};
+      for (int l = 1; l < 8; ++l)
+        if (v[l] > p.value || (v[l] == p.value && j[l] < p.index)) p.value = v[l], p.index = j[l];
+      mine.push_back(p);
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    parts.insert(parts.end(), mine.begin(), mine.end());
+  }
+
+  // The threads' parts merged per row in column order, a strict > (the first maximum wins).
+  void finish(int64_t m) {
+    if (!argmax) return;
+    std::sort(parts.begin(), parts.end(),
+              [](const Part& a, const Part& b) { return a.row != b.row ? a.row < b.row : a.begin < b.begin; });
+    std::vector<float> best(m, -std::numeric_limits<float>::infinity());
+    std::fill(ids, ids + m, 0);
+    for (const Part& p : parts)
+      if (p.value > best[p.row]) best[p.row] = p.value, ids[p.row] = p.index;
+  }
+};
+
 // x [M, K] against `groups` groups of 8 weight rows -> y [M, 8 groups] in x's dtype (float32 or
 // bf16), any M: x is quantized once, then each thread walks its groups in tiles of about 16 KiB of
 // codes (which stay in L1) and runs every chunk of up to kMaxRows activation rows over a tile:
@@ -237,19 +295,21 @@ void q8x8_group(const int8_t* xq, const uint8_t* xu, const float* xd, const uint
 // result does not depend on the batch. A bf16 y is the float32 result rounded to nearest even (what
 // .to(bfloat16) gives), each thread rounding its own columns: a bf16 step's linear is one op, not
 // three (a conversion each way cost more than a small call's kernel, its code cold after the
-// weights streamed through the caches).
+// weights streamed through the caches). With `logits` (bf16 x) the rounded values go to it instead
+// (X8Logits) and the returned y is empty.
 template <typename Group>
 at::Tensor x8_groups(const at::Tensor& x, int64_t groups, int64_t k, int64_t group_bytes, bool with_unsigned,
-                     Group&& group) {
+                     Group&& group, X8Logits* logits = nullptr) {
   const int64_t m = x.size(0), n = 8 * groups, nb = k / 32;
   const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(!logits || bf16, "tessera_gemv: logits from bf16 x only");
   const QuantizedX& xq = bf16 ? quantize_rows_q8_1(x.data_ptr<at::BFloat16>(), m, k, with_unsigned)
                               : quantize_rows_q8_1(x.data_ptr<float>(), m, k, with_unsigned);
-  auto y = at::empty({m, n}, x.options());
+  auto y = at::empty({logits ? 0 : m, n}, x.options());
   thread_local std::vector<float> y32_buffer;  // the float32 result of a bf16 call (the caller's thread)
   if (bf16) y32_buffer.resize(m * n);
   float* yp = bf16 ? y32_buffer.data() : y.data_ptr<float>();
-  at::BFloat16* yb = bf16 ? y.data_ptr<at::BFloat16>() : nullptr;
+  at::BFloat16* yb = bf16 && !logits ? y.data_ptr<at::BFloat16>() : nullptr;
   const int8_t* q = xq.q.data();
   const uint8_t* u = xq.u.empty() ? nullptr : xq.u.data();
   const float *d = xq.d.data(), *s = xq.s.data();
@@ -263,10 +323,13 @@ at::Tensor x8_groups(const at::Tensor& x, int64_t groups, int64_t k, int64_t gro
             group.template operator()<M>(q + m0 * k, u ? u + m0 * k : nullptr, d + m0 * nb, s + m0 * nb, yp + m0 * n, g);
         });
     }
-    if (bf16)
+    if (logits)
+      logits->take(yp, m, n, 8 * g0, 8 * g1);
+    else if (bf16)
       for (int64_t i = 0; i < m; ++i)
         for (int64_t c = 8 * g0; c < 8 * g1; c += 8) store8_bf16(yb + i * n + c, _mm256_loadu_ps(yp + i * n + c));
   });
+  if (logits) logits->finish(m);
   return y;
 }
 
@@ -291,7 +354,8 @@ at::Tensor with_scale_type(const at::Tensor& d, Fn&& fn) {
   return fn.template operator()<uint16_t>();
 }
 
-at::Tensor gemv_q4x8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mn) {
+at::Tensor gemv_q4x8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mn,
+                     X8Logits* logits = nullptr) {
   const int64_t groups = qs.size(0), nb = qs.size(1), k = 32 * nb;
   check_x8("q4x8", x, k, qs, 128);
   for (const at::Tensor* t : {&d, &mn})
@@ -303,12 +367,13 @@ at::Tensor gemv_q4x8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   return with_scale_type(d, [&]<typename S>() {
     const S *dp = scales_of<S>(d), *mp = scales_of<S>(mn);
     return x8_groups(x, groups, k, nb * 128, false, [&]<int M>(const int8_t* xq, const uint8_t*, const float* xd, const float* xs,
-                                                         float* y, int64_t g) { q4x8_group<M, S>(xq, xd, xs, qp, dp, mp, y, k, n, g); });
+                                                         float* y, int64_t g) { q4x8_group<M, S>(xq, xd, xs, qp, dp, mp, y, k, n, g); },
+                     logits);
   });
 }
 
 // d [N / 8, K / 32, 8]: a scale per 32 weights; [N / 8, K / 16, 8]: per 16 (Q6_K).
-at::Tensor gemv_q8x8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
+at::Tensor gemv_q8x8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, X8Logits* logits = nullptr) {
   const int64_t groups = qs.size(0), nb = qs.size(1), k = 32 * nb;
   check_x8("q8x8", x, k, qs, 256);
   TORCH_CHECK((d.scalar_type() == at::kHalf || d.scalar_type() == at::kFloat) && d.is_contiguous() &&
@@ -323,8 +388,46 @@ at::Tensor gemv_q8x8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
                                                          float* y, int64_t g) {
       if (per16) q8x8_group<M, S, 16>(xq, xu, xd, qp, dp, y, k, n, g);
       else q8x8_group<M, S, 32>(xq, xu, xd, qp, dp, y, k, n, g);
-    });
+    }, logits);
   });
+}
+
+// An lm_head's call on bf16 x (QuantLinear.logits_argmax): (its output widened to float32, or [M, 0]
+// without `logits`; with `argmax` each row's first maximum of it, else [0]).
+template <typename Call>
+std::tuple<at::Tensor, at::Tensor> x8_logits(const at::Tensor& x, bool argmax, bool logits, Call&& call) {
+  TORCH_CHECK(argmax || logits, "tessera_gemv: logits=False needs argmax=True");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "tessera_gemv: the logits ops take bf16 x [M, K]");
+  X8Logits out;
+  out.store = logits;
+  out.argmax = argmax;
+  at::Tensor ids = at::empty({argmax ? x.size(0) : 0}, x.options().dtype(at::kLong));
+  out.ids = ids.data_ptr<int64_t>();
+  const int64_t n = call.rows();
+  at::Tensor y = at::empty({x.size(0), logits ? n : 0}, x.options().dtype(at::kFloat));
+  out.out = y.data_ptr<float>();
+  call(&out);
+  return {y, ids};
+}
+
+std::tuple<at::Tensor, at::Tensor> gemv_q4x8_logits(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                                                    const at::Tensor& mn, bool argmax, bool logits) {
+  struct {
+    const at::Tensor &x, &qs, &d, &mn;
+    int64_t rows() const { return 8 * qs.size(0); }
+    void operator()(X8Logits* out) const { gemv_q4x8(x, qs, d, mn, out); }
+  } call{x, qs, d, mn};
+  return x8_logits(x, argmax, logits, call);
+}
+
+std::tuple<at::Tensor, at::Tensor> gemv_q8x8_logits(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                                                    bool argmax, bool logits) {
+  struct {
+    const at::Tensor &x, &qs, &d;
+    int64_t rows() const { return 8 * qs.size(0); }
+    void operator()(X8Logits* out) const { gemv_q8x8(x, qs, d, out); }
+  } call{x, qs, d};
+  return x8_logits(x, argmax, logits, call);
 }
 
 #pragma GCC pop_options
