@@ -125,7 +125,7 @@ def _linear_spec(w) -> tuple[int, int, list[torch.Tensor | None]]:
         if w.f32_blocks is not None:  # decode sizes from the GGUF blocks (tessera/quant/gguf_f32_blocks.py)
             return 7, int(w.pairs) + 2 * (1 + w.f32_blocks_format), [w.packed, w.f32_blocks]
         return 1, (1 if w.pairs else 0), [w.packed]  # format 1: a gate_up in the paired layout
-    if kind is Q4BlocksLinear and w.native_ok():  # on float32 x (a bf16 step's converted, as the module does)
+    if kind is Q4BlocksLinear and w.native_ok():  # on the step's float32 or bf16 x, as the module calls it
         return 5, 0, [w.qs, w.d, w.m]
     if kind is Q8BlocksLinear and w.native_ok():
         return 6, 0, [w.qs, w.d]

@@ -21,6 +21,7 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <tuple>
 #include <vector>
 

@@ -126,11 +126,12 @@ inline __m256i bcast4(const int8_t* p) {  // 4 bytes into every 32-bit lane
   return _mm256_set1_epi32(v);
 }
 
-// Group g (8 weight rows) against M quantized activation rows. The int16 sums of a block's 8
-// VPMADDUBSW products stay below 8 * 2 * 15 * 127 = 30480: no saturation.
+// Group g (8 weight rows) against M quantized activation rows, row i's 8 results stored at
+// y + i * stride. The int16 sums of a block's 8 VPMADDUBSW products stay below 8 * 2 * 15 * 127 =
+// 30480: no saturation.
 template <int M, typename S>
 void q4x8_group(const int8_t* xq, const float* xd, const float* xs, const uint8_t* w, const S* d, const S* mn,
-                float* y, int64_t k, int64_t n, int64_t g) {
+                float* y, int64_t stride, int64_t k, int64_t g) {
   const int64_t nb = k / 32;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const uint8_t* wg = w + g * nb * 128;
@@ -168,7 +169,7 @@ void q4x8_group(const int8_t* xq, const float* xd, const float* xs, const uint8_
       off[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[i * nb + b]), off[i]);
     }
   }
-  for (int i = 0; i < M; ++i) _mm256_storeu_ps(y + i * n + 8 * g, _mm256_add_ps(acc[i], off[i]));
+  for (int i = 0; i < M; ++i) _mm256_storeu_ps(y + i * stride, _mm256_add_ps(acc[i], off[i]));
 }
 
 // Group g of a Q8_0 weight in the q8x8 layout (gguf_int8_activations.pack_q8x8) against M quantized
@@ -180,7 +181,7 @@ void q4x8_group(const int8_t* xq, const float* xd, const float* xs, const uint8_
 // hold a block's first 16 weights, 4-7 the next, summed apart and scaled each by its own d.
 template <int M, typename S, int SUB>
 void q8x8_group(const int8_t* xq, const uint8_t* xu, const float* xd, const uint8_t* w, const S* d, float* y,
-                int64_t k, int64_t n, int64_t g) {
+                int64_t stride, int64_t k, int64_t g) {
   static_assert(SUB == 32 || SUB == 16);
   constexpr int kParts = 32 / SUB, kVectors = 8 / kParts;
   const int64_t nb = k / 32;
@@ -230,7 +231,7 @@ void q8x8_group(const int8_t* xq, const uint8_t* xu, const float* xd, const uint
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(dw, _mm256_set1_ps(xd[i * nb + b])), acc[i]);
     }
   }
-  for (int i = 0; i < M; ++i) _mm256_storeu_ps(y + i * n + 8 * g, acc[i]);
+  for (int i = 0; i < M; ++i) _mm256_storeu_ps(y + i * stride, acc[i]);
 }
 
 // An lm_head's call (x8_groups with `logits`): the bf16 output widened to float32 (forward(x).float()
@@ -246,29 +247,49 @@ struct X8Logits {
   std::mutex mu;
   std::vector<Part> parts;    // each thread's first maximum of each row over its columns
 
-  // Columns [c0, c1) of rows [0, m) of the float32 products y (row stride n).
-  void take(const float* y, int64_t m, int64_t n, int64_t c0, int64_t c1) {
-    std::vector<Part> mine;
-    for (int64_t i = 0; i < m; ++i) {
-      __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  // One thread's run of columns: each row's running first maximum per lane (a strict >, so a lane
+  // keeps its first), over the tiles it takes in column order.
+  struct Run {
+    int64_t begin;
+    std::vector<float> best;
+    std::vector<int32_t> at;
+    Run(int64_t begin, int64_t m) : begin(begin), best(8 * m, -std::numeric_limits<float>::infinity()), at(8 * m, 0) {}
+  };
+
+  // Rows [m0, m0 + rows) x columns [c0, c1) of the float32 products, row i at y + i * stride.
+  void take(Run* run, const float* y, int64_t stride, int64_t m0, int64_t rows, int64_t n, int64_t c0, int64_t c1) {
+    for (int64_t i = 0; i < rows; ++i) {
+      __m256 best = _mm256_setzero_ps();
       __m256i at = _mm256_setzero_si256();
+      if (run) {
+        best = _mm256_loadu_ps(run->best.data() + 8 * (m0 + i));
+        at = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run->at.data() + 8 * (m0 + i)));
+      }
       for (int64_t c = c0; c < c1; c += 8) {
-        const __m256 w = _mm256_castsi256_ps(_mm256_slli_epi32(round8_bf16(_mm256_loadu_ps(y + i * n + c)), 16));
-        if (store) _mm256_storeu_ps(out + i * n + c, w);
-        if (!argmax) continue;
-        const __m256 gt = _mm256_cmp_ps(w, best, _CMP_GT_OQ);  // strict: a lane keeps its first maximum
+        const __m256 w = _mm256_castsi256_ps(_mm256_slli_epi32(round8_bf16(_mm256_loadu_ps(y + i * stride + c - c0)), 16));
+        if (store) _mm256_storeu_ps(out + (m0 + i) * n + c, w);
+        if (!run) continue;
+        const __m256 gt = _mm256_cmp_ps(w, best, _CMP_GT_OQ);  // NaN: never greater
         best = _mm256_blendv_ps(best, w, gt);
         const __m256i cols = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(c)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
         at = _mm256_blendv_epi8(at, cols, _mm256_castps_si256(gt));
       }
-      if (!argmax) continue;
-      alignas(32) float v[8];
-      alignas(32) int32_t j[8];
-      _mm256_store_ps(v, best);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(j), at);
-      Part p{c0, i, v[0], j[0]};
-      for (int l = 1; l < 8; ++l)
-        if (v[l] > p.value || (v[l] == p.value && j[l] < p.index)) p.value = v[l], p.index = j[l];
+      if (!run) continue;
+      _mm256_storeu_ps(run->best.data() + 8 * (m0 + i), best);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(run->at.data() + 8 * (m0 + i)), at);
+    }
+  }
+
+  // A thread's finished run: each row's first maximum over its lanes, kept for the merge.
+  void end(const Run& run, int64_t m) {
+    std::vector<Part> mine;
+    for (int64_t i = 0; i < m; ++i) {
+      Part p{run.begin, i, run.best[8 * i], run.at[8 * i]};
+      for (int l = 1; l < 8; ++l) {
+        const float v = run.best[8 * i + l];
+        const int32_t j = run.at[8 * i + l];
+        if (v > p.value || (v == p.value && j < p.index)) p.value = v, p.index = j;
+      }
       mine.push_back(p);
     }
     std::lock_guard<std::mutex> lock(mu);
@@ -290,13 +311,13 @@ struct X8Logits {
 // x [M, K] against `groups` groups of 8 weight rows -> y [M, 8 groups] in x's dtype (float32 or
 // bf16), any M: x is quantized once, then each thread walks its groups in tiles of about 16 KiB of
 // codes (which stay in L1) and runs every chunk of up to kMaxRows activation rows over a tile:
-// group(M, x codes, x codes + 128 (only with_unsigned: q8x8 on VPDPBUSD), d_x, s_x, y, g). A row of
-// the output depends only on its row of x (its own quantization, the same block order), so the
-// result does not depend on the batch. A bf16 y is the float32 result rounded to nearest even (what
-// .to(bfloat16) gives), each thread rounding its own columns: a bf16 step's linear is one op, not
-// three (a conversion each way cost more than a small call's kernel, its code cold after the
-// weights streamed through the caches). With `logits` (bf16 x) the rounded values go to it instead
-// (X8Logits) and the returned y is empty.
+// group(M, x codes, x codes + 128 (only with_unsigned: q8x8 on VPDPBUSD), d_x, s_x, y, stride, g)
+// stores group g's results for row i at y + i * stride. A row of the output depends only on its row
+// of x (its own quantization, the same block order), so the result does not depend on the batch. A
+// bf16 y is the float32 result rounded to nearest even (what .to(bfloat16) gives), tile by tile: a
+// bf16 step's linear is one op, not three (a conversion each way cost more than a small call's
+// kernel, its code cold after the weights streamed through the caches). With `logits` (bf16 x)
+// the rounded values go to it instead (X8Logits) and the returned y is empty.
 template <typename Group>
 at::Tensor x8_groups(const at::Tensor& x, int64_t groups, int64_t k, int64_t group_bytes, bool with_unsigned,
                      Group&& group, X8Logits* logits = nullptr) {
@@ -306,28 +327,38 @@ at::Tensor x8_groups(const at::Tensor& x, int64_t groups, int64_t k, int64_t gro
   const QuantizedX& xq = bf16 ? quantize_rows_q8_1(x.data_ptr<at::BFloat16>(), m, k, with_unsigned)
                               : quantize_rows_q8_1(x.data_ptr<float>(), m, k, with_unsigned);
   auto y = at::empty({logits ? 0 : m, n}, x.options());
-  thread_local std::vector<float> y32_buffer;  // the float32 result of a bf16 call (the caller's thread)
-  if (bf16) y32_buffer.resize(m * n);
-  float* yp = bf16 ? y32_buffer.data() : y.data_ptr<float>();
+  float* yf = bf16 ? nullptr : y.data_ptr<float>();
   at::BFloat16* yb = bf16 && !logits ? y.data_ptr<at::BFloat16>() : nullptr;
   const int8_t* q = xq.q.data();
   const uint8_t* u = xq.u.empty() ? nullptr : xq.u.data();
   const float *d = xq.d.data(), *s = xq.s.data();
   const int64_t tile = std::max<int64_t>(1, (16 << 10) / group_bytes);
   at::parallel_for(0, groups, 2, [&](int64_t g0, int64_t g1) {
+    // A bf16 or logits call computes a tile's float32 products (a chunk of rows x the tile's
+    // columns) into this thread's scratch, which stays in L1, and rounds them from there.
+    thread_local std::vector<float> scratch;
+    if (bf16) scratch.resize(kMaxRows * 8 * tile);
+    std::optional<X8Logits::Run> run;
+    if (logits && logits->argmax) run.emplace(8 * g0, m);
     for (int64_t t0 = g0; t0 < g1; t0 += tile) {
-      const int64_t t1 = std::min(t0 + tile, g1);
-      for (int64_t m0 = 0; m0 < m; m0 += kMaxRows)
-        dispatch_rows<1>(std::min(kMaxRows, m - m0), [&]<int M>() {
+      const int64_t t1 = std::min(t0 + tile, g1), width = 8 * (t1 - t0);
+      for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
+        const int64_t rows = std::min(kMaxRows, m - m0), stride = bf16 ? width : n;
+        float* base = bf16 ? scratch.data() : yf + m0 * n + 8 * t0;
+        dispatch_rows<1>(rows, [&]<int M>() {
           for (int64_t g = t0; g < t1; ++g)
-            group.template operator()<M>(q + m0 * k, u ? u + m0 * k : nullptr, d + m0 * nb, s + m0 * nb, yp + m0 * n, g);
+            group.template operator()<M>(q + m0 * k, u ? u + m0 * k : nullptr, d + m0 * nb, s + m0 * nb,
+                                         base + 8 * (g - t0), stride, g);
         });
+        if (logits)
+          logits->take(run ? &*run : nullptr, base, stride, m0, rows, n, 8 * t0, 8 * t1);
+        else if (bf16)
+          for (int64_t i = 0; i < rows; ++i)
+            for (int64_t c = 0; c < width; c += 8)
+              store8_bf16(yb + (m0 + i) * n + 8 * t0 + c, _mm256_loadu_ps(base + i * stride + c));
+      }
     }
-    if (logits)
-      logits->take(yp, m, n, 8 * g0, 8 * g1);
-    else if (bf16)
-      for (int64_t i = 0; i < m; ++i)
-        for (int64_t c = 8 * g0; c < 8 * g1; c += 8) store8_bf16(yb + i * n + c, _mm256_loadu_ps(yp + i * n + c));
+    if (run) logits->end(*run, m);
   });
   if (logits) logits->finish(m);
   return y;
@@ -363,11 +394,10 @@ at::Tensor gemv_q4x8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
                     t->scalar_type() == d.scalar_type() && t->is_contiguous() && t->numel() == 8 * groups * nb,
                 "tessera_gemv.q4x8: d and m must be contiguous float16 or float32 (both the same) [N / 8, K / 32, 8]");
   const uint8_t* qp = qs.data_ptr<uint8_t>();
-  const int64_t n = 8 * groups;
   return with_scale_type(d, [&]<typename S>() {
     const S *dp = scales_of<S>(d), *mp = scales_of<S>(mn);
     return x8_groups(x, groups, k, nb * 128, false, [&]<int M>(const int8_t* xq, const uint8_t*, const float* xd, const float* xs,
-                                                         float* y, int64_t g) { q4x8_group<M, S>(xq, xd, xs, qp, dp, mp, y, k, n, g); },
+                                                         float* y, int64_t stride, int64_t g) { q4x8_group<M, S>(xq, xd, xs, qp, dp, mp, y, stride, k, g); },
                      logits);
   });
 }
@@ -380,14 +410,13 @@ at::Tensor gemv_q8x8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
                   (d.numel() == 8 * groups * nb || d.numel() == 16 * groups * nb),
               "tessera_gemv.q8x8: d must be contiguous float16 or float32 [N / 8, K / 32, 8] or [N / 8, K / 16, 8]");
   const uint8_t* qp = qs.data_ptr<uint8_t>();
-  const int64_t n = 8 * groups;
   const bool per16 = d.numel() == 16 * groups * nb;
   return with_scale_type(d, [&]<typename S>() {
     const S* dp = scales_of<S>(d);
     return x8_groups(x, groups, k, nb * 256, true, [&]<int M>(const int8_t* xq, const uint8_t* xu, const float* xd, const float*,
-                                                         float* y, int64_t g) {
-      if (per16) q8x8_group<M, S, 16>(xq, xu, xd, qp, dp, y, k, n, g);
-      else q8x8_group<M, S, 32>(xq, xu, xd, qp, dp, y, k, n, g);
+                                                         float* y, int64_t stride, int64_t g) {
+      if (per16) q8x8_group<M, S, 16>(xq, xu, xd, qp, dp, y, stride, k, g);
+      else q8x8_group<M, S, 32>(xq, xu, xd, qp, dp, y, stride, k, g);
     }, logits);
   });
 }
