@@ -138,8 +138,8 @@ def test_rows_do_not_depend_on_the_batch(qtype):
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
 def test_bf16_activations_give_the_float32_result_rounded(qtype):
     # A bf16 step's linear is one call: the kernel reads bf16 x (exact in float32) and rounds its
-    # float32 result to bf16 itself, as .to(bfloat16) would (ties to even); rows past the kernel's
-    # register budget (40 > 32) and both halves of the thread split included.
+    # float32 result to bf16 itself, as .to(bfloat16) would (ties to even); 40 rows (five of the
+    # kernel's 8-row chunks), several column tiles and both halves of the thread split included.
     _, layer = quantized(qtype, 200, 576, seed=11)
     x = torch.randn(40, 576, generator=torch.Generator().manual_seed(21)).bfloat16()
     op = torch.ops.tessera_gemv.q4x8 if qtype == Q.Q4_1 else torch.ops.tessera_gemv.q8x8
