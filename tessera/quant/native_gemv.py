@@ -31,6 +31,8 @@ NATIVE_MAX_ROWS = 8
 PREFETCH_BYTES = int(os.environ.get("TESSERA_GEMV_PREFETCH", "4096"))
 PREFETCH_HINT = os.environ.get("TESSERA_GEMV_PREFETCH_HINT", "_MM_HINT_T0")
 _CSRC = Path(__file__).parent / "csrc"
+# The lm_head forms' greedy argmax, shared with the bf16 and quantized kernels' libraries.
+_ARGMAX_ROWS = Path(__file__).parents[1] / "kernels" / "csrc" / "argmax_rows.h"
 
 
 def cpu_supported() -> bool:
@@ -53,10 +55,10 @@ INT4_BLOCK_ROWS = 32 if avx2_only() else 64
 def available() -> bool:
     """True when the kernels are built and loaded on a CPU that can run them."""
     if cpu_supported():
-        name, sources = "tessera_gemv", (_CSRC / "gemv.cpp", _CSRC / "gemv_x8.h")
+        name, sources = "tessera_gemv", (_CSRC / "gemv.cpp", _CSRC / "gemv_x8.h", _ARGMAX_ROWS)
         defines = (f"PREFETCH_BYTES={PREFETCH_BYTES}", f"PREFETCH_HINT={PREFETCH_HINT}")
     elif avx2_only():
-        name, sources, defines = "tessera_gemv_avx2", (_CSRC / "gemv_avx2.cpp", _CSRC / "gemv_x8.h"), ()
+        name, sources, defines = "tessera_gemv_avx2", (_CSRC / "gemv_avx2.cpp", _CSRC / "gemv_x8.h", _ARGMAX_ROWS), ()
     else:
         return False
     if not load_extension(name, sources, defines):

@@ -1,8 +1,9 @@
 // Greedy sampling inside a linear's store epilogue, shared by the bf16 kernel
-// (invariant_kernels.cpp: linear_bf16_argmax) and the quantized one (invariant_qgemm.cpp:
-// qgemm_f32 with argmax, the tied lm_head from a GGUF's Q8_0 blocks): each row's first maximum of
+// (invariant_kernels.cpp: linear_bf16_argmax), the quantized one (invariant_qgemm.cpp:
+// qgemm_f32 with argmax, the tied lm_head from a GGUF's Q8_0 blocks) and the int8-activation
+// lm_heads (tessera/quant/csrc/gemv_x8.h: q4x8_logits, q8x8_logits): each row's first maximum of
 // the logits it stores, so the [rows, vocab] logits are not read again. One header staged into
-// both libraries' builds (tessera/native.py compiles the .cpp sources only).
+// the three libraries' builds (tessera/native.py compiles the .cpp sources only).
 #pragma once
 
 #include <immintrin.h>

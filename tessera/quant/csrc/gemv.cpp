@@ -21,11 +21,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <limits>
-#include <mutex>
-#include <optional>
+#include <memory>
 #include <tuple>
 #include <vector>
+
+#include "argmax_rows.h"  // the lm_head forms' greedy ids (gemv_x8.h), as the other libraries' kernels
 
 namespace {
 

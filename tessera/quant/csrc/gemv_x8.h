@@ -235,76 +235,37 @@ void q8x8_group(const int8_t* xq, const uint8_t* xu, const float* xd, const uint
 }
 
 // An lm_head's call (x8_groups with `logits`): the bf16 output widened to float32 (forward(x).float()
-// without the bf16 [M, N] between), stored unless `store` is false, and with `argmax` each row's
-// first maximum of those values, found as each thread rounds its columns: greedy sampling need not
-// read the logits again. As the other kernels' argmax (argmax_rows.h): torch.argmax's index, except
-// that a NaN never wins.
+// without the bf16 [M, N] between), stored unless `out` is null, and with `argmax` each row's first
+// maximum of those values, found as each thread rounds its columns (greedy sampling need not read
+// the logits again): the other kernels' ArgmaxCollector (argmax_rows.h), its chunks' lanes 0-7
+// used. torch.argmax's index, except that a NaN never wins.
 struct X8Logits {
-  bool store = true, argmax = false;
-  float* out = nullptr;       // [M, N] where store
-  int64_t* ids = nullptr;     // [M] where argmax
-  struct Part { int64_t begin, row; float value; int64_t index; };
-  std::mutex mu;
-  std::vector<Part> parts;    // each thread's first maximum of each row over its columns
+  float* out = nullptr;                 // [M, N], or null: the ids alone
+  ArgmaxCollector* argmax = nullptr;    // or null: the logits alone
 
-  // One thread's run of columns: each row's running first maximum per lane (a strict >, so a lane
-  // keeps its first), over the tiles it takes in column order.
-  struct Run {
-    int64_t begin;
-    std::vector<float> best;
-    std::vector<int32_t> at;
-    Run(int64_t begin, int64_t m) : begin(begin), best(8 * m, -std::numeric_limits<float>::infinity()), at(8 * m, 0) {}
-  };
-
-  // Rows [m0, m0 + rows) x columns [c0, c1) of the float32 products, row i at y + i * stride.
-  void take(Run* run, const float* y, int64_t stride, int64_t m0, int64_t rows, int64_t n, int64_t c0, int64_t c1) {
+  // Rows [m0, m0 + rows) x columns [c0, c1) of the float32 products, row i at y + i * stride; the
+  // thread's chunk keeps each row's first maximum per lane (a strict >, so a lane keeps its first).
+  void take(ArgmaxChunk* chunk, const float* y, int64_t stride, int64_t m0, int64_t rows, int64_t n, int64_t c0,
+            int64_t c1) const {
     for (int64_t i = 0; i < rows; ++i) {
-      __m256 best = _mm256_setzero_ps();
-      __m256i at = _mm256_setzero_si256();
-      if (run) {
-        best = _mm256_loadu_ps(run->best.data() + 8 * (m0 + i));
-        at = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run->at.data() + 8 * (m0 + i)));
-      }
+      float* best_at = chunk ? chunk->value.data() + 16 * (m0 + i) : nullptr;
+      int32_t* index_at = chunk ? chunk->index.data() + 16 * (m0 + i) : nullptr;
+      __m256 best = chunk ? _mm256_loadu_ps(best_at) : _mm256_setzero_ps();
+      __m256i at = chunk ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(index_at)) : _mm256_setzero_si256();
       for (int64_t c = c0; c < c1; c += 8) {
         const __m256 w = _mm256_castsi256_ps(_mm256_slli_epi32(round8_bf16(_mm256_loadu_ps(y + i * stride + c - c0)), 16));
-        if (store) _mm256_storeu_ps(out + (m0 + i) * n + c, w);
-        if (!run) continue;
+        if (out) _mm256_storeu_ps(out + (m0 + i) * n + c, w);
+        if (!chunk) continue;
         const __m256 gt = _mm256_cmp_ps(w, best, _CMP_GT_OQ);  // NaN: never greater
         best = _mm256_blendv_ps(best, w, gt);
         const __m256i cols = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(c)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
         at = _mm256_blendv_epi8(at, cols, _mm256_castps_si256(gt));
       }
-      if (!run) continue;
-      _mm256_storeu_ps(run->best.data() + 8 * (m0 + i), best);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(run->at.data() + 8 * (m0 + i)), at);
+      if (!chunk) continue;
+      chunk->seen[m0 + i] = 1;
+      _mm256_storeu_ps(best_at, best);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(index_at), at);
     }
-  }
-
-  // A thread's finished run: each row's first maximum over its lanes, kept for the merge.
-  void end(const Run& run, int64_t m) {
-    std::vector<Part> mine;
-    for (int64_t i = 0; i < m; ++i) {
-      Part p{run.begin, i, run.best[8 * i], run.at[8 * i]};
-      for (int l = 1; l < 8; ++l) {
-        const float v = run.best[8 * i + l];
-        const int32_t j = run.at[8 * i + l];
-        if (v > p.value || (v == p.value && j < p.index)) p.value = v, p.index = j;
-      }
-      mine.push_back(p);
-    }
-    std::lock_guard<std::mutex> lock(mu);
-    parts.insert(parts.end(), mine.begin(), mine.end());
-  }
-
-  // The threads' parts merged per row in column order, a strict > (the first maximum wins).
-  void finish(int64_t m) {
-    if (!argmax) return;
-    std::sort(parts.begin(), parts.end(),
-              [](const Part& a, const Part& b) { return a.row != b.row ? a.row < b.row : a.begin < b.begin; });
-    std::vector<float> best(m, -std::numeric_limits<float>::infinity());
-    std::fill(ids, ids + m, 0);
-    for (const Part& p : parts)
-      if (p.value > best[p.row]) best[p.row] = p.value, ids[p.row] = p.index;
   }
 };
 
@@ -323,7 +284,6 @@ at::Tensor x8_groups(const at::Tensor& x, int64_t groups, int64_t k, int64_t gro
                      Group&& group, X8Logits* logits = nullptr) {
   const int64_t m = x.size(0), n = 8 * groups, nb = k / 32;
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(!logits || bf16, "tessera_gemv: logits from bf16 x only");
   const QuantizedX& xq = bf16 ? quantize_rows_q8_1(x.data_ptr<at::BFloat16>(), m, k, with_unsigned)
                               : quantize_rows_q8_1(x.data_ptr<float>(), m, k, with_unsigned);
   auto y = at::empty({logits ? 0 : m, n}, x.options());
@@ -338,8 +298,7 @@ at::Tensor x8_groups(const at::Tensor& x, int64_t groups, int64_t k, int64_t gro
     // columns) into this thread's scratch, which stays in L1, and rounds them from there.
     thread_local std::vector<float> scratch;
     if (bf16) scratch.resize(kMaxRows * 8 * tile);
-    std::optional<X8Logits::Run> run;
-    if (logits && logits->argmax) run.emplace(8 * g0, m);
+    std::unique_ptr<ArgmaxChunk> chunk(logits && logits->argmax ? logits->argmax->chunk() : nullptr);
     for (int64_t t0 = g0; t0 < g1; t0 += tile) {
       const int64_t t1 = std::min(t0 + tile, g1), width = 8 * (t1 - t0);
       for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
@@ -351,16 +310,15 @@ at::Tensor x8_groups(const at::Tensor& x, int64_t groups, int64_t k, int64_t gro
                                          base + 8 * (g - t0), stride, g);
         });
         if (logits)
-          logits->take(run ? &*run : nullptr, base, stride, m0, rows, n, 8 * t0, 8 * t1);
+          logits->take(chunk.get(), base, stride, m0, rows, n, 8 * t0, 8 * t1);
         else if (bf16)
           for (int64_t i = 0; i < rows; ++i)
             for (int64_t c = 0; c < width; c += 8)
               store8_bf16(yb + (m0 + i) * n + 8 * t0 + c, _mm256_loadu_ps(base + i * stride + c));
       }
     }
-    if (run) logits->end(*run, m);
+    if (chunk) logits->argmax->add(8 * g0, *chunk);
   });
-  if (logits) logits->finish(m);
   return y;
 }
 
@@ -422,41 +380,30 @@ at::Tensor gemv_q8x8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
 }
 
 // An lm_head's call on bf16 x (QuantLinear.logits_argmax): (its output widened to float32, or [M, 0]
-// without `logits`; with `argmax` each row's first maximum of it, else [0]).
+// without `logits`; with `argmax` each row's first maximum of it, else [0]). call(X8Logits*) runs
+// the kernel over its n output columns.
 template <typename Call>
-std::tuple<at::Tensor, at::Tensor> x8_logits(const at::Tensor& x, bool argmax, bool logits, Call&& call) {
+std::tuple<at::Tensor, at::Tensor> x8_logits(const at::Tensor& x, int64_t n, bool argmax, bool logits, Call&& call) {
   TORCH_CHECK(argmax || logits, "tessera_gemv: logits=False needs argmax=True");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "tessera_gemv: the logits ops take bf16 x [M, K]");
-  X8Logits out;
-  out.store = logits;
-  out.argmax = argmax;
-  at::Tensor ids = at::empty({argmax ? x.size(0) : 0}, x.options().dtype(at::kLong));
-  out.ids = ids.data_ptr<int64_t>();
-  const int64_t n = call.rows();
-  at::Tensor y = at::empty({x.size(0), logits ? n : 0}, x.options().dtype(at::kFloat));
-  out.out = y.data_ptr<float>();
+  const int64_t m = x.size(0);
+  at::Tensor y = at::empty({m, logits ? n : 0}, x.options().dtype(at::kFloat));
+  at::Tensor ids = at::empty({argmax ? m : 0}, x.options().dtype(at::kLong));
+  ArgmaxCollector collector(m);
+  X8Logits out{logits ? y.data_ptr<float>() : nullptr, argmax ? &collector : nullptr};
   call(&out);
+  if (argmax && m > 0) collector.finish(ids.data_ptr<int64_t>());
   return {y, ids};
 }
 
 std::tuple<at::Tensor, at::Tensor> gemv_q4x8_logits(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                                                     const at::Tensor& mn, bool argmax, bool logits) {
-  struct {
-    const at::Tensor &x, &qs, &d, &mn;
-    int64_t rows() const { return 8 * qs.size(0); }
-    void operator()(X8Logits* out) const { gemv_q4x8(x, qs, d, mn, out); }
-  } call{x, qs, d, mn};
-  return x8_logits(x, argmax, logits, call);
+  return x8_logits(x, 8 * qs.size(0), argmax, logits, [&](X8Logits* out) { gemv_q4x8(x, qs, d, mn, out); });
 }
 
 std::tuple<at::Tensor, at::Tensor> gemv_q8x8_logits(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                                                     bool argmax, bool logits) {
-  struct {
-    const at::Tensor &x, &qs, &d;
-    int64_t rows() const { return 8 * qs.size(0); }
-    void operator()(X8Logits* out) const { gemv_q8x8(x, qs, d, out); }
-  } call{x, qs, d};
-  return x8_logits(x, argmax, logits, call);
+  return x8_logits(x, 8 * qs.size(0), argmax, logits, [&](X8Logits* out) { gemv_q8x8(x, qs, d, out); });
 }
 
 #pragma GCC pop_options
