@@ -139,11 +139,17 @@ class _Int8ActivationLinear(QuantLinear):
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight as float32 [*ids.shape, in_features], exactly as dequantize()."""
         flat = ids.reshape(-1)
+        if self.native_ok():  # one op (a decode step's lookup), the same values
+            return self._native_rows(flat.long().contiguous()).view(*ids.shape, self.in_features)
         return self._rows(flat // GROUP, flat % GROUP).view(*ids.shape, self.in_features)
 
     def _rows(self, g: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
         """Row i of group g for each pair, as float32 [len(g), K]: an embedding lookup gathers only
         its rows' bytes (unpacking their whole groups cost ~0.1 ms a decode step)."""
+        raise NotImplementedError
+
+    def _native_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """_rows for int64 row ids, by the native kernel."""
         raise NotImplementedError
 
     def select_kernel(self, num_rows: int) -> str:
@@ -204,6 +210,9 @@ class Q4BlocksLinear(_Int8ActivationLinear):
     def _native_logits(self, x: torch.Tensor, logits: bool) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.ops.tessera_gemv.q4x8_logits(x, self.qs, self.d, self.m, True, logits)
 
+    def _native_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.ops.tessera_gemv.q4x8_rows(self.qs, self.d, self.m, ids)
+
 
 class Q8BlocksLinear(_Int8ActivationLinear):
     """A GGUF Q8_0, Q5_0 or Q6_K weight in the q8x8 layout: W = d q, a scale per 32 or per 16."""
@@ -232,6 +241,9 @@ class Q8BlocksLinear(_Int8ActivationLinear):
 
     def _native_logits(self, x: torch.Tensor, logits: bool) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.ops.tessera_gemv.q8x8_logits(x, self.qs, self.d, True, logits)
+
+    def _native_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.ops.tessera_gemv.q8x8_rows(self.qs, self.d, ids)
 
 
 def kquant_parts(raw: torch.Tensor, qtype) -> tuple | None:

@@ -86,6 +86,12 @@ def _register_fakes() -> None:
     torch.library.register_fake("tessera_gemv::q8x8_logits")(
         lambda x, qs, d, argmax, logits=True: logits_out(x, qs, argmax, logits))
 
+    def rows_out(qs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return qs.new_empty(ids.shape[0], 32 * qs.shape[1], dtype=torch.float32)
+
+    torch.library.register_fake("tessera_gemv::q4x8_rows")(lambda qs, d, m, ids: rows_out(qs, ids))
+    torch.library.register_fake("tessera_gemv::q8x8_rows")(lambda qs, d, ids: rows_out(qs, ids))
+
 
 def usable(x: torch.Tensor) -> bool:
     """Whether a call with activations x can take a native kernel."""

@@ -90,6 +90,7 @@ def test_layer_holds_the_files_weight(qtype):
     torch.testing.assert_close(layer.dequantize(), want, rtol=0 if exact else 1e-6, atol=0 if exact else 1e-7)
     ids = torch.tensor([[36, 0], [9, 9]])
     assert torch.equal(layer.dequantize_rows(ids), layer.dequantize()[ids])
+    assert_rows_both_ways(layer, want)
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(layer(x, kernel="dequant"), F.linear(x, want), rtol=1e-5, atol=1e-5)
 
@@ -151,6 +152,29 @@ def test_bf16_activations_give_the_float32_result_rounded(qtype):
                        layer(x.float(), kernel="native").bfloat16().view(torch.int16))
 
 
+def assert_rows_both_ways(layer: Q4BlocksLinear | Q8BlocksLinear, want: torch.Tensor) -> None:
+    """An embedding lookup's rows (every row of the weight, in a shuffled order with repeats) are the
+    file's weight, from the torch gather and, where it is built, from the native op."""
+    ids = torch.cat([torch.randperm(layer.out_features, generator=torch.Generator().manual_seed(5)), torch.tensor([0, 0])])
+    exact = layer.dequantize()  # Q4_0's d q - 8 d may differ from gguf's d (q - 8) in the last bit
+    assert torch.equal(layer._rows(ids // 8, ids % 8), exact[ids])
+    if native_gemv.available():
+        assert torch.equal(layer._native_rows(ids), exact[ids])
+    torch.testing.assert_close(exact, want, rtol=1e-6, atol=1e-7)
+
+
+@needs_kernel
+def test_row_lookup_rejects_rows_outside_the_weight():
+    _, layer = quantized(Q.Q8_0, 37, 64)  # 40 rows in the layout, 37 of them the weight's ...
+    with pytest.raises(RuntimeError, match="row 40 is outside the 40 rows of qs"):
+        torch.ops.tessera_gemv.q8x8_rows(layer.qs, layer.d, torch.tensor([3, 40]))
+    with pytest.raises(RuntimeError, match=r"ids must be contiguous int64 \[R\]"):
+        torch.ops.tessera_gemv.q8x8_rows(layer.qs, layer.d, torch.tensor([3], dtype=torch.int32))
+    _, q4 = quantized(Q.Q4_1, 16, 64)
+    with pytest.raises(RuntimeError, match="row -1 is outside"):
+        torch.ops.tessera_gemv.q4x8_rows(q4.qs, q4.d, q4.m, torch.tensor([-1]))
+
+
 @needs_kernel
 def test_kernel_rejects_bad_input():
     _, layer = quantized(Q.Q4_1, 16, 64)
@@ -184,6 +208,7 @@ def test_kquant_layer_holds_the_files_weight_bit_for_bit(qtype):
     assert torch.equal(layer.dequantize().view(torch.int32), want.view(torch.int32))
     ids = torch.tensor([[36, 0], [9, 9]])
     assert torch.equal(layer.dequantize_rows(ids), want[ids])
+    assert_rows_both_ways(layer, want)
     # Q5_0 as int8 codes with its float16 d (8.5 bits a weight); Q6_K's d * scale per 16 and Q4_K's
     # d * sc and dmin * mn per 32 in float32, exact there.
     assert layer.d.dtype == (torch.float16 if qtype == Q.Q5_0 else torch.float32)

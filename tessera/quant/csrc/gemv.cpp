@@ -4,7 +4,7 @@
 // kMaxRows float32 activation rows at a time, dequantizing in registers (float32 FMA, no int8
 // activation rounding, so results equal x @ dequantize(W).T up to float32 summation order).
 // Registered as torch ops tessera_gemv::{int8, q8_0, int4pack}, and {q4x8, q8x8} (with their
-// lm_head forms q4x8_logits, q8x8_logits) from gemv_x8.h
+// lm_head forms q4x8_logits, q8x8_logits and embedding lookups q4x8_rows, q8x8_rows) from gemv_x8.h
 // (GGUF blocks on int8 activations); the loader is tessera/quant/native_gemv.py, which falls back
 // to the torch kernels when this fails to build.
 //
@@ -291,6 +291,8 @@ TORCH_LIBRARY(tessera_gemv, lib) {
   lib.def("q8x8(Tensor x, Tensor qs, Tensor d) -> Tensor");
   lib.def("q4x8_logits(Tensor x, Tensor qs, Tensor d, Tensor m, bool argmax, bool logits=True) -> (Tensor, Tensor)");
   lib.def("q8x8_logits(Tensor x, Tensor qs, Tensor d, bool argmax, bool logits=True) -> (Tensor, Tensor)");
+  lib.def("q4x8_rows(Tensor qs, Tensor d, Tensor m, Tensor ids) -> Tensor");
+  lib.def("q8x8_rows(Tensor qs, Tensor d, Tensor ids) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tessera_gemv, CPU, lib) {
@@ -303,4 +305,6 @@ TORCH_LIBRARY_IMPL(tessera_gemv, CPU, lib) {
   lib.impl("q8x8", [](const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) { return gemv_q8x8(x, qs, d); });
   lib.impl("q4x8_logits", &gemv_q4x8_logits);
   lib.impl("q8x8_logits", &gemv_q8x8_logits);
+  lib.impl("q4x8_rows", &rows_q4x8);
+  lib.impl("q8x8_rows", &rows_q8x8);
 }

@@ -8,7 +8,7 @@
 // Why: without them a GGUF model's decode on Zen 3 ran torch's int4 kernel on bf16 activations
 // and dequantized its Q8_0 lm_head to a float tile at every step (a third of the step).
 //
-// Both builds also carry tessera_gemv::{q4x8, q8x8} (gemv_x8.h), the GGUF mode's Q4_0/Q4_1 and
+// Both builds also carry tessera_gemv::{q4x8, q8x8} (and their _logits and _rows forms; gemv_x8.h), the GGUF mode's Q4_0/Q4_1 and
 // Q8_0 on int8-quantized activations (llama.cpp's arithmetic, any row count; see
 // tessera/quant/gguf_int8_activations.py).
 #include <ATen/ATen.h>
@@ -261,6 +261,8 @@ TORCH_LIBRARY(tessera_gemv, m) {
   m.def("q8x8(Tensor x, Tensor qs, Tensor d) -> Tensor");
   m.def("q4x8_logits(Tensor x, Tensor qs, Tensor d, Tensor m, bool argmax, bool logits=True) -> (Tensor, Tensor)");
   m.def("q8x8_logits(Tensor x, Tensor qs, Tensor d, bool argmax, bool logits=True) -> (Tensor, Tensor)");
+  m.def("q4x8_rows(Tensor qs, Tensor d, Tensor m, Tensor ids) -> Tensor");
+  m.def("q8x8_rows(Tensor qs, Tensor d, Tensor ids) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tessera_gemv, CPU, m) {
@@ -273,4 +275,6 @@ TORCH_LIBRARY_IMPL(tessera_gemv, CPU, m) {
   m.impl("q8x8", [](const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) { return gemv_q8x8(x, qs, d); });
   m.impl("q4x8_logits", &gemv_q4x8_logits);
   m.impl("q8x8_logits", &gemv_q8x8_logits);
+  m.impl("q4x8_rows", &rows_q4x8);
+  m.impl("q8x8_rows", &rows_q8x8);
 }

@@ -406,4 +406,87 @@ std::tuple<at::Tensor, at::Tensor> gemv_q8x8_logits(const at::Tensor& x, const a
   return x8_logits(x, 8 * qs.size(0), argmax, logits, [&](X8Logits* out) { gemv_q8x8(x, qs, d, out); });
 }
 
+// ---- Rows of a weight (an embedding lookup into a tied table) ----------------------------------
+// Rows `ids` of a q8x8 / q4x8 weight as float32 [R, K], each value as the layer's dequantize()
+// makes it: q d, + m for q4x8. Every product q d is exact in float32 (at most 24 significant bits:
+// an 11-bit float16 scale, Q4_K's d sc or Q6_K's d scale times the block's code), so q d + m
+// rounds once, fused or not. One op for a decode step's lookup, where the torch form (gathers, unpacking,
+// a multiply and an add) took ~0.1 ms.
+template <typename S>
+float scale_lane(const S* p, int64_t lane) {
+  alignas(32) float v[8];
+  _mm256_store_ps(v, load_scales(p));
+  return v[lane];
+}
+
+const int64_t* checked_ids(const char* op, const at::Tensor& ids, int64_t rows) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(),
+              "tessera_gemv.", op, ": ids must be contiguous int64 [R]");
+  const int64_t* p = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < ids.numel(); ++r)
+    TORCH_CHECK(p[r] >= 0 && p[r] < rows, "tessera_gemv.", op, ": row ", p[r], " is outside the ", rows, " rows of qs");
+  return p;
+}
+
+at::Tensor rows_q8x8(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& ids) {
+  TORCH_CHECK(qs.dim() == 3 && qs.size(2) == 256 && qs.scalar_type() == at::kByte && qs.is_contiguous(),
+              "tessera_gemv.q8x8_rows: qs must be contiguous uint8 [N / 8, K / 32, 256]");
+  const int64_t groups = qs.size(0), nb = qs.size(1), k = 32 * nb;
+  TORCH_CHECK((d.scalar_type() == at::kHalf || d.scalar_type() == at::kFloat) && d.is_contiguous() &&
+                  (d.numel() == 8 * groups * nb || d.numel() == 16 * groups * nb),
+              "tessera_gemv.q8x8_rows: d must be contiguous float16 or float32 [N / 8, K / 32 or K / 16, 8]");
+  const int64_t* id = checked_ids("q8x8_rows", ids, 8 * groups);
+  const bool per16 = d.numel() == 16 * groups * nb;
+  auto out = at::empty({ids.numel(), k}, qs.options().dtype(at::kFloat));
+  const uint8_t* qp = qs.data_ptr<uint8_t>();
+  return with_scale_type(d, [&]<typename S>() {
+    const S* dp = scales_of<S>(d);
+    for (int64_t r = 0; r < ids.numel(); ++r) {
+      const int64_t g = id[r] / 8, i = id[r] % 8;
+      float* o = out.data_ptr<float>() + r * k;
+      for (int64_t b = 0; b < nb; ++b) {
+        // byte 4 i + t of vector j of block b: the row's code 4 j + t
+        const int8_t* w = reinterpret_cast<const int8_t*>(qp + (g * nb + b) * 256) + 4 * i;
+        const float d0 = scale_lane(dp + (per16 ? g * 2 * nb + 2 * b : g * nb + b) * 8, i);
+        const float d1 = per16 ? scale_lane(dp + (g * 2 * nb + 2 * b + 1) * 8, i) : d0;
+        for (int j = 0; j < 8; ++j)
+          for (int t = 0; t < 4; ++t) o[32 * b + 4 * j + t] = static_cast<float>(w[32 * j + t]) * (j < 4 ? d0 : d1);
+      }
+    }
+    return out;
+  });
+}
+
+at::Tensor rows_q4x8(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mn, const at::Tensor& ids) {
+  TORCH_CHECK(qs.dim() == 3 && qs.size(2) == 128 && qs.scalar_type() == at::kByte && qs.is_contiguous(),
+              "tessera_gemv.q4x8_rows: qs must be contiguous uint8 [N / 8, K / 32, 128]");
+  const int64_t groups = qs.size(0), nb = qs.size(1), k = 32 * nb;
+  for (const at::Tensor* t : {&d, &mn})
+    TORCH_CHECK((t->scalar_type() == at::kHalf || t->scalar_type() == at::kFloat) &&
+                    t->scalar_type() == d.scalar_type() && t->is_contiguous() && t->numel() == 8 * groups * nb,
+                "tessera_gemv.q4x8_rows: d and m must be contiguous float16 or float32 (both the same) [N / 8, K / 32, 8]");
+  const int64_t* id = checked_ids("q4x8_rows", ids, 8 * groups);
+  auto out = at::empty({ids.numel(), k}, qs.options().dtype(at::kFloat));
+  const uint8_t* qp = qs.data_ptr<uint8_t>();
+  return with_scale_type(d, [&]<typename S>() {
+    const S *dp = scales_of<S>(d), *mp = scales_of<S>(mn);
+    for (int64_t r = 0; r < ids.numel(); ++r) {
+      const int64_t g = id[r] / 8, i = id[r] % 8;
+      float* o = out.data_ptr<float>() + r * k;
+      for (int64_t b = 0; b < nb; ++b) {
+        // byte 4 i + t of vector j of block b: the row's codes 8 j + t (low nibble), 8 j + 4 + t (high)
+        const uint8_t* w = qp + (g * nb + b) * 128 + 4 * i;
+        const float dv = scale_lane(dp + (g * nb + b) * 8, i), mv = scale_lane(mp + (g * nb + b) * 8, i);
+        for (int j = 0; j < 4; ++j)
+          for (int t = 0; t < 4; ++t) {
+            const uint8_t c = w[32 * j + t];
+            o[32 * b + 8 * j + t] = static_cast<float>(c & 15) * dv + mv;
+            o[32 * b + 8 * j + 4 + t] = static_cast<float>(c >> 4) * dv + mv;
+          }
+      }
+    }
+    return out;
+  });
+}
+
 #pragma GCC pop_options
