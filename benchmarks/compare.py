@@ -69,7 +69,8 @@ def engines(args) -> dict[str, Engine]:
     return {e.name: e for e in [
         Engine("tessera", me, "run_tessera.py", ("--quantization", "none", "--dtype", dt),
                f"{dt} ({q} dequantized at load; bf16 steps of up to 32 rows read the {q} blocks on AMX CPUs, of up "
-               f"to 4 on other AVX-512 BF16 ones, float32 steps of up to 8 on AVX2 ones, same bits), {dt} KV"),
+               f"to 8 on other AVX-512 BF16 ones (a Q8_0 lm_head up to 4), float32 steps of up to 8 on AVX2 ones, "
+               f"same bits), {dt} KV"),
         Engine("tessera-eager", me, "run_tessera.py", ("--quantization", "none", "--dtype", dt, "--enforce-eager"),
                f"{dt} as tessera, --enforce-eager (the module path, no native decoder stack)"),
         Engine("tessera-gguf", me, "run_tessera.py", ("--quantization", "gguf", "--dtype", dt),

@@ -15,15 +15,16 @@ Where: CPUs with AVX-512 BF16, AMX or not (both kernels take the machine's one a
 tiles, or without AMX one VDPBF16PS chain per output over the k pairs in order), bf16 weights, slots
 whose parts are all one of Q4_0, Q4_1, Q5_0, Q5_1 (the KQ kinds without sub-block scales), calls
 without a bias (a bias is added before the bf16 kernel's rounding and after kqgemm's), of up to
-max_rows() rows: 32 on AMX, 4 without (the AVX-512 path dequantizes per call and row tile, so it is
-compute-bound: the default model's 121 linears at 1 / 2 / 4 / 8 rows 7.4 / 7.7 / 9.3 / 13.8 ms from
-the blocks against 10.0 / 10.5 / 10.7 / 13.3 from bf16, AMD EPYC Zen 4; docs/kernels.md, session
-39). `TESSERA_GGUF_CODES=0` turns it off, for A/B runs (docs/kernels.md, session 27).
+max_rows() rows: 32 on AMX, 8 without (the AVX-512 path makes each tile row in registers as it
+multiplies it, compute-bound: the default model's 120 layer linears at 1 / 4 / 8 rows 5.2 / 6.1 /
+7.7 ms from the blocks against 7.3 at 4 rows and 9.0 at 8 from bf16, AMD EPYC Zen 4, session 43;
+docs/kernels.md). `TESSERA_GGUF_CODES=0` turns it off, for A/B runs (docs/kernels.md, session 27).
 
 A Q8_0 lm_head (the default model's tied token_embd) reads its blocks the same way (qgemm's Q8_0
 tiles, W = bf16(d q) the bf16 weight exactly): 28.7 MiB a step instead of 54, with the logits in
 fp32 and greedy ids as the bf16 kernel gives them (qgemm_logits: from the store epilogue on AMX,
-session 29; without AMX the bf16 output widened and its first maximum).
+session 29; without AMX the bf16 output widened and its first maximum), up to max_rows(q8_0=True)
+rows: 32 on AMX, 4 without.
 """
 
 from __future__ import annotations
@@ -40,10 +41,13 @@ logger = logging.getLogger("tessera")
 
 # Row counts up to these take the blocks. AMX: column_pair_small in csrc/invariant_qgemm.cpp handles
 # 32 rows; above it the whole-K path loses to the bf16 weight (120 linears at 48 rows 29 ms against
-# 25, at 32 13.5 against 17.6, Intel Xeon model 167). AVX-512 BF16 without AMX: small_rows handles 4
-# (kSmallRows); at 8 the blocks lose (13.8 against 13.3 ms, AMD EPYC Zen 4).
+# 25, at 32 13.5 against 17.6, Intel Xeon model 167). AVX-512 BF16 without AMX: the layers' KQ
+# blocks up to 8 rows (kq_rows_direct, kKQDirectRows: the default model's 120 layer linears at 8
+# rows 7.7 ms against 9.0 from bf16), a Q8_0 lm_head up to 4 (kSmallRows; at 5-8 rows 1.9-2.3 ms
+# against 1.7-2.2), AMD EPYC Zen 4.
 CODES_MAX_ROWS_AMX = 32
-CODES_MAX_ROWS_AVX512 = 4
+CODES_MAX_ROWS_AVX512 = 8
+Q8_0_MAX_ROWS_AVX512 = 4
 TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)
 
 
@@ -55,11 +59,14 @@ def enabled() -> bool:
     return os.environ.get("TESSERA_GGUF_CODES", "1") != "0" and invariant.available()
 
 
-def max_rows() -> int:
-    """The largest call (rows) that reads the blocks on this CPU."""
+def max_rows(q8_0: bool = False) -> int:
+    """The largest call (rows) that reads the blocks on this CPU: the layers' KQ blocks, or with
+    `q8_0` a Q8_0 lm_head's."""
     from tessera.quant import invariant
 
-    return CODES_MAX_ROWS_AMX if invariant.cpu_has_amx() else CODES_MAX_ROWS_AVX512
+    if invariant.cpu_has_amx():
+        return CODES_MAX_ROWS_AMX
+    return Q8_0_MAX_ROWS_AVX512 if q8_0 else CODES_MAX_ROWS_AVX512
 
 
 @torch.no_grad()
@@ -98,7 +105,7 @@ def attach_gguf_codes(model, files) -> int:
     nbytes = sum(tiles.nbytes() for _, tiles, _ in found)
     if lm_head:
         w, tiles, d = lm_head
-        w.attach_q8_0(next(copies), next(copies), rows)
+        w.attach_q8_0(next(copies), next(copies), max_rows(q8_0=True))
         nbytes += tiles.numel() * tiles.element_size() + d.numel() * d.element_size()
     count = len(found) + (lm_head is not None)
     if count:

@@ -48,12 +48,13 @@ def test_codes_give_the_bf16_kernels_bits_at_every_row_count(qtype):
     raw = random_blocks(qtype, 96, 512, seed=12)
     w = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
     plain, coded = InvariantLinear(w.bfloat16()), InvariantLinear(w.bfloat16())
-    # Without AMX every call from the blocks (the small-row path up to 4 rows, the whole-K path
-    # above); on AMX the calls the engine sends them (up to 32 rows), the larger ones the bf16 weight.
+    # Without AMX every call from the blocks (the direct path up to 8 rows, four blocks at a time up
+    # to 4 and two above; the whole-K path above 8); on AMX the calls the engine sends them (up to 32
+    # rows), the larger ones the bf16 weight.
     limit = gguf_codes.max_rows() if invariant.cpu_has_amx() else 100
     coded.attach_codes(KQTiles.pack(torch.from_numpy(raw.copy()), qtype), KIND[qtype], limit)
     gen = torch.Generator().manual_seed(13)
-    for m in (1, 2, 3, 4, 5, 16, 17, 32, 33, 100):
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 32, 33, 100):
         x = torch.randn(m, 512, generator=gen).bfloat16()
         want = plain(x)
         assert torch.equal(coded(x), want), f"{m} rows"

@@ -786,7 +786,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void q8_direct_tile(
 // kq_tile makes it (kq_row, one rounding to bf16) and multiplied at once, without the store to and
 // reload from L1. Measured (AMD EPYC Zen 4, the default model's 120 Q4_1 layer linears, one process
 // alternating with the buffered path, median of 15): 1 row 5.89-6.93 -> 5.15-5.37 ms, 4 rows
-// 6.66-7.11 -> 6.12-6.36. Four blocks a task at every row count (two, at 3-4 rows, were no faster).
+// 6.66-7.11 -> 6.12-6.36. Four blocks at a time up to 4 rows (two, at 3-4 rows, were no faster).
 template <int R, int B, int P>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void kq_rows_direct(
     const Weight& w, int64_t nb0, const uint16_t* a, void* out, at::ScalarType dtype) {
@@ -829,6 +829,16 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void kq_rows_direct(
 template <int B, int P>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void kq_direct_rows(
     int64_t rows, const Weight& w, int64_t nb0, const uint16_t* a, void* out, at::ScalarType dtype) {
+  if (rows > 4) {  // two blocks at a time: 2 x rows accumulators and the blocks' scales in registers
+    for (int h = 0; h < B; h += 2)
+      switch (rows) {
+        case 8: kq_rows_direct<8, 2, P>(w, nb0 + h, a, out, dtype); break;
+        case 7: kq_rows_direct<7, 2, P>(w, nb0 + h, a, out, dtype); break;
+        case 6: kq_rows_direct<6, 2, P>(w, nb0 + h, a, out, dtype); break;
+        default: kq_rows_direct<5, 2, P>(w, nb0 + h, a, out, dtype); break;
+      }
+    return;
+  }
   switch (rows) {
     case 4: kq_rows_direct<4, B, P>(w, nb0, a, out, dtype); break;
     case 3: kq_rows_direct<3, B, P>(w, nb0, a, out, dtype); break;
@@ -846,6 +856,11 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void kq_direct_tile(
 }
 
 constexpr int64_t kSmallRows = 4;
+// The KQ direct path's rows (gguf_codes.CODES_MAX_ROWS_AVX512): at 5-8 rows it still beats the bf16
+// weights (the default model's 120 layer linears at 5 / 6 / 8 rows 6.1 / 6.8 / 7.7 ms against 7.3 /
+// 7.7 / 9.0, AMD EPYC Zen 4), where the Q8_0 lm_head no longer does (1.9 / 2.1 / 2.3 against 1.7 /
+// 1.8 / 2.2: its codes stay at kSmallRows).
+constexpr int64_t kKQDirectRows = 8;
 
 // ---- INT4 without AMX: scale and zero per group applied to the partial sum ----------------------
 // The codes q - 8 are exact in bf16, so the AVX-512 arithmetic multiplies them as they are and
@@ -1191,7 +1206,7 @@ at::Tensor run(const at::Tensor& x, const Weight& w, int64_t nbk, bool logits = 
     });
     return out;
   }
-  if (!amx && m <= kSmallRows && !a_lo && fmt == kKQ) {
+  if (!amx && m <= kKQDirectRows && !a_lo && fmt == kKQ) {
     for_pair_groups(nbk, [&](int64_t nb0, int blocks) {
       if (blocks == 4)
         kq_direct_tile<4>(m, w, nb0, a_hi, outp, dtype);
