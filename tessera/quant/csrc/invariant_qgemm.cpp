@@ -1197,21 +1197,22 @@ at::Tensor run(const at::Tensor& x, const Weight& w, int64_t nbk, bool logits = 
     int4_avx512(w, nbk, a_hi, a_lo, m, outp, dtype);
     return out;
   }
-  if (!amx && m <= kSmallRows && !a_lo && (fmt == kInt8 || fmt == kQ8_0)) {
+  // Decode sizes with bf16 x: each weight row made in registers as it is multiplied (INT8 and Q8_0
+  // up to kSmallRows, the KQ formats up to kKQDirectRows), four blocks a task (a share's last: two).
+  const bool q8_direct = m <= kSmallRows && (fmt == kInt8 || fmt == kQ8_0);
+  const bool kq_direct = m <= kKQDirectRows && fmt == kKQ;
+  if (!amx && !a_lo && (q8_direct || kq_direct)) {
+    auto blocks_of = [&]<int B>(int64_t nb0) {
+      if (kq_direct)
+        kq_direct_tile<B>(m, w, nb0, a_hi, outp, dtype);
+      else
+        q8_direct_tile<B>(m, w, nb0, a_hi, outp, dtype);
+    };
     for_pair_groups(nbk, [&](int64_t nb0, int blocks) {
       if (blocks == 4)
-        q8_direct_tile<4>(m, w, nb0, a_hi, outp, dtype);
+        blocks_of.template operator()<4>(nb0);
       else
-        q8_direct_tile<2>(m, w, nb0, a_hi, outp, dtype);
-    });
-    return out;
-  }
-  if (!amx && m <= kKQDirectRows && !a_lo && fmt == kKQ) {
-    for_pair_groups(nbk, [&](int64_t nb0, int blocks) {
-      if (blocks == 4)
-        kq_direct_tile<4>(m, w, nb0, a_hi, outp, dtype);
-      else
-        kq_direct_tile<2>(m, w, nb0, a_hi, outp, dtype);
+        blocks_of.template operator()<2>(nb0);
     });
     return out;
   }
