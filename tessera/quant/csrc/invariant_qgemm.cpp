@@ -698,8 +698,10 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void column_pair_avx512(
   }
 }
 
-// Decode sizes (M <= 4) without AMX: B column blocks at once (B / 2 pairs), each K step's tiles
-// dequantized into a small buffer that stays in L1 and multiplied at once, the rows' accumulators in
+// Decode sizes (M <= 4) without AMX, where no direct path below makes the weight rows in registers
+// (float32 activations, whose weights also need their remainder tiles; the BF16 format, read in
+// place): B column blocks at once (B / 2 pairs), each K step's tiles dequantized into a small
+// buffer that stays in L1 and multiplied at once, the rows' accumulators in
 // registers over all of K: B independent chains per row instead of two, and no whole-K buffer
 // through L2. The tiles hold dequant_tile's values and every output takes the same products in
 // the same order as column_pair_avx512's, so both paths give the same bits (tests: M = 1..64, 100,
