@@ -128,8 +128,8 @@ class InvariantLinear(nn.Module):
     def attach_codes(self, tiles, kind: int, max_rows: int) -> None:
         """tiles: a gguf_tiles.KQTiles whose W, rounded to bf16, is this layer's weight; calls of
         up to max_rows rows (gguf_codes.max_rows()) then compute from it (the same bits, fewer bytes)."""
-        if self.dtype != torch.bfloat16 or tiles.sub is not None:
-            raise ValueError("GGUF codes serve bf16 weights of the KQ kinds without sub-block scales")
+        if self.dtype != torch.bfloat16:
+            raise ValueError("GGUF codes serve bf16 weights")
         self.codes, self.codes_kind, self.codes_max_rows = tiles, kind, max_rows
 
     def attach_q8_0(self, tiles: torch.Tensor, d: torch.Tensor, max_rows: int) -> None:
@@ -161,7 +161,7 @@ class InvariantLinear(nn.Module):
             if self.q8_codes is not None:
                 return invariant.qgemm(x, *self.q8_codes, None, invariant.Q8_0, self.out_features)
             c = self.codes
-            return torch.ops.tessera_qgemm.kqgemm(x.contiguous(), c.codes, c.planes, c.sup, None,
+            return torch.ops.tessera_qgemm.kqgemm(x.contiguous(), c.codes, c.planes, c.sup, c.sub,
                                                   self.codes_kind, self.out_features, self.in_features)
         ops = kernels.ops()
         if self.dtype == torch.bfloat16:

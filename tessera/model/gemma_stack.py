@@ -18,7 +18,7 @@ import torch
 from tessera import kernels
 from tessera.attention.invariant_cpu import _HEAD_DIMS, InvariantCPUAttention
 from tessera.attention.metadata import AttentionMetadata
-from tessera.model.native_stack import _linear_spec, takes_step
+from tessera.model.native_stack import LINEAR_SLOTS, _linear_spec, takes_step
 
 logger = logging.getLogger("tessera")
 
@@ -38,7 +38,7 @@ class GemmaStack:
             for w in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
                 kind, fmt, tensors = _linear_spec(w)
                 self.lin_meta += [kind, fmt]
-                self.lin_tensors += tensors + [None] * (4 - len(tensors))
+                self.lin_tensors += tensors + [None] * (LINEAR_SLOTS - len(tensors))
         self.windows = [layer.self_attn.sliding_window or 0 for layer in model.layers]
         self.local = [int(layer.is_local) for layer in model.layers]
         self.eps = model.norm.eps

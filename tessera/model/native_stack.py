@@ -27,6 +27,10 @@ from tessera.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger("tessera")
 
+# Tensor slots per linear in the stacks' lin_tensors (stack_common.h's kLinearSlots): the most any
+# kind takes (kind 4: packed, codes, planes, sup, sub), the unused ones None.
+LINEAR_SLOTS = 5
+
 
 class NativeStack:
     def __init__(self, model, norms: list[torch.Tensor], lin_tensors: list[torch.Tensor | None], lin_meta: list[int],
@@ -62,7 +66,7 @@ class NativeStack:
             for w in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 kind, fmt, tensors = _linear_spec(w)
                 lin_meta += [kind, fmt]
-                lin_tensors += tensors + [None] * (4 - len(tensors))
+                lin_tensors += tensors + [None] * (LINEAR_SLOTS - len(tensors))
             biases.append(attn.qkv_bias)
             windows.append(attn.sliding_window or 0)
         first = model.layers[0]
@@ -119,7 +123,8 @@ def _linear_spec(w) -> tuple[int, int, list[torch.Tensor | None]]:
     kind = type(w)
     if kind is InvariantLinear:
         if w.codes is not None:  # decode sizes from the GGUF blocks (tessera/quant/gguf_codes.py)
-            return 4, w.codes_kind + 256 * w.codes_max_rows, [w.packed, w.codes.codes, w.codes.planes, w.codes.sup]
+            return 4, w.codes_kind + 256 * w.codes_max_rows, [w.packed, w.codes.codes, w.codes.planes, w.codes.sup,
+                                                              w.codes.sub]
         if w.dtype == torch.bfloat16:
             return 0, 0, [w.packed]
         if w.f32_blocks is not None:  # decode sizes from the GGUF blocks (tessera/quant/gguf_f32_blocks.py)

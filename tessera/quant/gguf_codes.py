@@ -13,7 +13,10 @@ memory (+66 MB for the default model).
 
 Where: CPUs with AVX-512 BF16, AMX or not (both kernels take the machine's one arithmetic: AMX
 tiles, or without AMX one VDPBF16PS chain per output over the k pairs in order), bf16 weights, slots
-whose parts are all one of Q4_0, Q4_1, Q5_0, Q5_1 (the KQ kinds without sub-block scales), calls
+whose parts are all one of Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (the K-quants since session 43:
+their W = fma(q, d sc, -dmin m) rounds once, as the file's float32 dequantization does, so
+bf16(W) is the loader's weight; a Llama-3.2-1B-shaped model of random Q4_K layers decodes 1.3-1.9x
+faster than from its bf16 weights on Zen 4, benchmarks/kquant_codes.py), calls
 without a bias (a bias is added before the bf16 kernel's rounding and after kqgemm's), of up to
 max_rows() rows: 32 on AMX, 8 without (the AVX-512 path makes each tile row in registers as it
 multiplies it, compute-bound: the default model's 120 layer linears at 1 / 4 / 8 rows 5.2 / 6.1 /
@@ -48,7 +51,7 @@ logger = logging.getLogger("tessera")
 CODES_MAX_ROWS_AMX = 32
 CODES_MAX_ROWS_AVX512 = 8
 Q8_0_MAX_ROWS_AVX512 = 4
-TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)
+TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
 
 def enabled() -> bool:
@@ -71,8 +74,8 @@ def max_rows(q8_0: bool = False) -> int:
 
 @torch.no_grad()
 def attach_gguf_codes(model, files) -> int:
-    """Give each bf16 InvariantLinear whose GGUF parts are one KQ type without sub-block scales
-    its blocks in tile order; returns how many. Not a GGUF file, or not enabled here: 0."""
+    """Give each bf16 InvariantLinear whose GGUF parts are all one of TYPES its blocks in tile
+    order; returns how many. Not a GGUF file, or not enabled here: 0."""
     from tessera.kernels.linear import InvariantLinear
     from tessera.model.gguf_loader import GGUFModelFiles
     from tessera.quant import invariant

@@ -21,7 +21,7 @@ from tessera.kernels.linear import InvariantLinear
 from tessera.quant import gguf_codes, invariant
 from tessera.quant.gguf_tiles import KIND, KQTiles
 from tests.tiny_model import write_gguf_from_hf_dir
-from tests.unit.test_gguf_kquant import random_blocks
+from tests.unit.test_gguf_kquant import expected_bytes, random_blocks
 
 needs_codes = pytest.mark.skipif(
     not (kernels.available() and invariant.available()),
@@ -37,9 +37,9 @@ def test_tiles_hold_the_files_weight_bit_for_bit(qtype):
     want = gguf.quants.dequantize(raw, qtype)
     ids = torch.arange(70)
     assert np.array_equal(tiles.rows(ids, 256, qtype).numpy().view(np.uint32), want.view(np.uint32))
-    # the file's bytes, nothing more: rows padded to 32, Q4 blocks 18 / 20 bytes per 32 weights
-    block, nbytes = gguf.constants.GGML_QUANT_SIZES[qtype]
-    assert tiles.nbytes() == 96 * (256 // block) * nbytes
+    # the file's bytes, nothing more: rows padded to 32 (Q4_K / Q5_K keep their 12 bytes of 6-bit
+    # scales and mins in 16, as the kernel reads them)
+    assert tiles.nbytes() == expected_bytes(qtype, 70, 256, tiled=True)
 
 
 @needs_codes
@@ -156,6 +156,42 @@ def test_engine_with_codes_equals_engine_without(tiny_model_factory, tmp_path, c
     if not eager:
         model.native_stack = NativeStack.build(model)  # its linears now kind 0 (bf16) again
     assert not _coded(model)
+    assert _generate(engine, "b") == got
+
+
+@needs_codes
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
+@pytest.mark.parametrize("eager", [False, True])
+def test_kquant_codes_give_the_engine_its_bf16_tokens(tiny_model_factory, tmp_path, monkeypatch, qtype, eager):
+    """Q4_K_M files' K-quant layers (sub-block scales: the stacks' fifth tensor slot) read their
+    blocks too, with the same tokens and logprobs as their bf16 weights. gguf-py cannot quantize to
+    K-quants, so the file holds random blocks of the right shapes (hidden 256 and intermediate 512:
+    rows of whole 256-weight super-blocks)."""
+    from tessera.model.native_stack import NativeStack
+
+    quantize = gguf.quants.quantize
+    blocks = iter(range(1000))
+
+    def random_kquant(t, kind):
+        if kind != qtype:
+            return quantize(t, kind)
+        return random_blocks(kind, t.shape[0], t.shape[1], seed=next(blocks))
+
+    monkeypatch.setattr(gguf.quants, "quantize", random_kquant)
+    model_dir = tiny_model_factory(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64)
+    path = write_gguf_from_hf_dir(model_dir, tmp_path / "t.gguf", qtype=qtype)
+    monkeypatch.undo()
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", enforce_eager=eager, max_model_len=256,
+                                    max_num_batched_tokens=32, enable_prefix_caching=False))
+    model = engine.runner.model
+    coded = _coded(model)
+    assert len(coded) == 4 * model.config.num_layers and all(m.codes.sub is not None for m in coded)
+    assert (model.native_stack is None) == eager
+    got = _generate(engine, "a")
+    for m in coded:
+        m.codes = None
+    if not eager:
+        model.native_stack = NativeStack.build(model)
     assert _generate(engine, "b") == got
 
 

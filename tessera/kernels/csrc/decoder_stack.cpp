@@ -42,7 +42,7 @@ at::Tensor gated_quant_linear(const at::Tensor& x, const c10::List<OptTensor>& t
   static const auto kqgemm_silu = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                 const at::Tensor&, const OptTensor&, int64_t, int64_t, int64_t)>(
       "tessera_qgemm::kqgemm_silu");
-  if (kind == 4) return kqgemm_silu.call(x, *get(1), *get(2), *get(3), OptTensor(), fmt, n, x.size(1));
+  if (kind == 4) return kqgemm_silu.call(x, *get(1), *get(2), *get(3), get(4), fmt, n, x.size(1));
   return kqgemm_silu.call(x, *get(0), *get(1), *get(2), get(3), fmt, n, x.size(1));
 }
 
@@ -69,10 +69,11 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
   check_stack_step("decoder_stack", hidden, dims);
   const int64_t h = dims[0], hkv = dims[1], d = dims[2], hidden_size = dims[3], inter = dims[4];
   const int64_t layers = static_cast<int64_t>(windows.size());
-  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers && static_cast<int64_t>(lin_tensors.size()) == 16 * layers &&
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers &&
+                  static_cast<int64_t>(lin_tensors.size()) == 4 * kLinearSlots * layers &&
                   static_cast<int64_t>(lin_meta.size()) == 8 * layers && static_cast<int64_t>(kv.size()) == 2 * layers &&
                   static_cast<int64_t>(qkv_bias.size()) == layers,
-              "decoder_stack: per layer 2 norms, 4 linears (4 tensor slots, kind and format each), a bias slot, "
+              "decoder_stack: per layer 2 norms, 4 linears (5 tensor slots, kind and format each), a bias slot, "
               "a K/V pair and a window");
   const bool bf16 = hidden.scalar_type() == at::kBFloat16;
   const StackLinears lin{lin_tensors, lin_meta};
@@ -104,13 +105,13 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, const c
     const auto [gkind, gfmt] = lin.call_kind(gi, normed);
     at::Tensor act;
     if (lin.takes_bf16(gi, normed, none))
-      act = bf16_linear_silu.call(normed, *lin_tensors.get(4 * gi), 2 * inter, -1);
+      act = bf16_linear_silu.call(normed, *lin_tensors.get(kLinearSlots * gi), 2 * inter, -1);
     else if (gkind == 1 && gfmt >= 2 && (gfmt & 1))
-      act = f32_blocks.call(normed, *lin_tensors.get(4 * gi + 1), none, 2 * inter, (gfmt >> 1) - 1, 2);
+      act = f32_blocks.call(normed, *lin_tensors.get(kLinearSlots * gi + 1), none, 2 * inter, (gfmt >> 1) - 1, 2);
     else if (gkind == 1 && gfmt == 1)
-      act = f32_pairs.call(normed, *lin_tensors.get(4 * gi), none, 2 * inter, true);
+      act = f32_pairs.call(normed, *lin_tensors.get(kLinearSlots * gi), none, 2 * inter, true);
     else if (bf16 && inter % 16 == 0 && gkind >= 2 && gkind <= 4)
-      act = gated_quant_linear(normed, lin_tensors, 4 * gi, gkind, gfmt, 2 * inter);
+      act = gated_quant_linear(normed, lin_tensors, kLinearSlots * gi, gkind, gfmt, 2 * inter);
     else
       act = silu_mul.call(linear(l, 2, normed, none, 2 * inter));
     x = linear(l, 3, act, none, hidden_size);

@@ -43,10 +43,11 @@ at::Tensor gemma_stack(const at::Tensor& hidden, at::TensorList norms, const c10
   check_stack_step("gemma_stack", hidden, dims);
   const int64_t h = dims[0], hkv = dims[1], d = dims[2], hidden_size = dims[3], inter = dims[4];
   const int64_t layers = static_cast<int64_t>(windows.size());
-  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 6 * layers && static_cast<int64_t>(lin_tensors.size()) == 16 * layers &&
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 6 * layers &&
+                  static_cast<int64_t>(lin_tensors.size()) == 4 * kLinearSlots * layers &&
                   static_cast<int64_t>(lin_meta.size()) == 8 * layers && static_cast<int64_t>(kv.size()) == 2 * layers &&
                   static_cast<int64_t>(local.size()) == layers,
-              "gemma_stack: per layer 6 norm scales, 4 linears (4 tensor slots, kind and format each), a K/V pair, "
+              "gemma_stack: per layer 6 norm scales, 4 linears (5 tensor slots, kind and format each), a K/V pair, "
               "a window and a local flag");
   const StackLinears lin{lin_tensors, lin_meta};
   const int64_t tokens = hidden.size(0), qkv_n = (h + 2 * hkv) * d;

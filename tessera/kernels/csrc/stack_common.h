@@ -1,5 +1,6 @@
 // What the native decoder stacks (decoder_stack.cpp: llama; gemma_stack.cpp: Gemma 3) share: the
-// paged_attention handle, the checks of their common inputs, and their linears, as the stacks take them: per linear four tensor slots in `lin_tensors` and two ints in `lin_meta`
+// paged_attention handle, the checks of their common inputs, and their linears, as the stacks take
+// them: per linear kLinearSlots (5) tensor slots in `lin_tensors` and two ints in `lin_meta`
 // (kind, format), built by tessera/model/native_stack.py (_linear_spec). Kinds:
 //   0 bf16 InvariantLinear: linear_bf16(x, packed)         1 fp32 InvariantLinear: linear_f32(x, wt)
 //     (format 1: a gate_up packed in pairs, linear_f32_pairs, its SiLU in the store);
@@ -7,7 +8,8 @@
 //     sup, sub?, format) -- the quantized modules' batch-invariant kernels; their bias is added
 //     after the product (QuantLinear does `y + bias`), a float linear's inside it;
 //   4 bf16 InvariantLinear with its GGUF blocks (tessera/quant/gguf_codes.py): packed, then codes,
-//     planes, sup; format = the KQ kind + 256 x its codes_max_rows: calls of up to that many rows
+//     planes, sup, sub? (the K-quants' sub-block scales); format = the KQ kind + 256 x its
+//     codes_max_rows: calls of up to that many rows
 //     without a bias take kqgemm(the KQ kind) on the blocks, the others linear_bf16: the same bits
 //     either way, fewer bytes at decode;
 //   5, 6 GGUF blocks on int8 activations (x86 without AMX; tessera/quant/gguf_int8_activations.py):
@@ -30,6 +32,10 @@
 namespace {
 
 using OptTensor = std::optional<at::Tensor>;
+
+// Tensor slots per linear in a stack's `lin_tensors` (native_stack.LINEAR_SLOTS): the most any kind
+// takes (kind 4: packed, codes, planes, sup, sub), the unused ones None.
+constexpr int64_t kLinearSlots = 5;
 
 // As gguf_f32_blocks.BLOCKS_MAX_ROWS: the row counts kind 7 reads from the blocks.
 constexpr int64_t kF32BlocksMaxRows = 8;
@@ -111,7 +117,7 @@ struct StackLinears {
     return {1, x.size(0) <= kF32BlocksMaxRows ? fmt : fmt & 1};
   }
 
-  at::Tensor slot(int64_t li, int64_t j) const { return *tensors.get(4 * li + j); }
+  at::Tensor slot(int64_t li, int64_t j) const { return *tensors.get(kLinearSlots * li + j); }
 
   at::Tensor operator()(int64_t li, const at::Tensor& x, const OptTensor& bias, int64_t n) const {
     static const auto bf16_linear = op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t, bool,
@@ -127,8 +133,9 @@ struct StackLinears {
     if (kind == 1 && fmt >= 2) return f32_blocks.call(x, slot(li, 1), bias, n, (fmt >> 1) - 1, fmt & 1);
     if (kind == 1 && fmt == 1) return f32_pairs.call(x, slot(li, 0), bias, n, false);
     if (kind == 1) return f32.call(x, slot(li, 0), bias, n);
-    if (kind == 4) return kq_linear(x, slot(li, 1), slot(li, 2), slot(li, 3), OptTensor(), fmt, n);
-    at::Tensor y = quant_linear(x, tensors, 4 * li, kind, fmt, n);
+    if (kind == 4)
+      return kq_linear(x, slot(li, 1), slot(li, 2), slot(li, 3), tensors.get(kLinearSlots * li + 4), fmt, n);
+    at::Tensor y = quant_linear(x, tensors, kLinearSlots * li, kind, fmt, n);
     return bias.has_value() ? y + *bias : y;
   }
 };
