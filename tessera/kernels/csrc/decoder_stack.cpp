@@ -12,7 +12,7 @@
 // tests compare the two. The profiler still sees each op.
 //
 // Inputs (tessera/model/native_stack.py builds them): per layer the two norm weights in `norms`;
-// per linear (qkv, o, gate_up, down of each layer) four tensor slots in `lin_tensors` and two
+// per linear (qkv, o, gate_up, down of each layer) five tensor slots (kLinearSlots) in `lin_tensors` and two
 // ints in `lin_meta` (kind, format: stack_common.h lists the kinds); an optional qkv bias per
 // layer, the KV cache pair per layer in `kv`, and the step's rotary tables, slots and attention
 // plan (the tensors tessera/attention/invariant_cpu.py's _kernel_plan makes). dims = (heads, kv

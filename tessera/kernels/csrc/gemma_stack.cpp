@@ -12,7 +12,7 @@
 //
 // Inputs (tessera/model/gemma_stack.py builds them): per layer six norm scales (1 + weight, float32:
 // input, q, k, post-attention, pre-feedforward, post-feedforward) in `norms`; per linear (qkv, o,
-// gate_up, down of each layer) four tensor slots and (kind, format) as stack_common.h takes them;
+// gate_up, down of each layer) five tensor slots (kLinearSlots) and (kind, format) as stack_common.h takes them;
 // the KV cache pair per layer in `kv`; both rotary tables (global, local); the step's positions,
 // slots and attention plan. dims = (heads, kv heads, head_dim, hidden, intermediate); windows =
 // each layer's sliding window (0 = none); local = whether a layer takes the local rotary table.
