@@ -287,24 +287,12 @@ TORCH_LIBRARY(tessera_gemv, lib) {
   lib.def("int8(Tensor x, Tensor q, Tensor scale) -> Tensor");
   lib.def("q8_0(Tensor x, Tensor codes, Tensor d) -> Tensor");
   lib.def("int4pack(Tensor x, Tensor packed, Tensor scales_zeros, int group) -> Tensor");
-  lib.def("q4x8(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor");
-  lib.def("q8x8(Tensor x, Tensor qs, Tensor d) -> Tensor");
-  lib.def("q4x8_logits(Tensor x, Tensor qs, Tensor d, Tensor m, bool argmax, bool logits=True) -> (Tensor, Tensor)");
-  lib.def("q8x8_logits(Tensor x, Tensor qs, Tensor d, bool argmax, bool logits=True) -> (Tensor, Tensor)");
-  lib.def("q4x8_rows(Tensor qs, Tensor d, Tensor m, Tensor ids) -> Tensor");
-  lib.def("q8x8_rows(Tensor qs, Tensor d, Tensor ids) -> Tensor");
+  define_x8_ops(lib);  // gemv_x8.h's
 }
 
 TORCH_LIBRARY_IMPL(tessera_gemv, CPU, lib) {
   lib.impl("int8", &gemv_int8);
   lib.impl("q8_0", &gemv_q8_0);
   lib.impl("int4pack", &gemv_int4pack);
-  lib.impl("q4x8", [](const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
-    return gemv_q4x8(x, qs, d, m);
-  });
-  lib.impl("q8x8", [](const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) { return gemv_q8x8(x, qs, d); });
-  lib.impl("q4x8_logits", &gemv_q4x8_logits);
-  lib.impl("q8x8_logits", &gemv_q8x8_logits);
-  lib.impl("q4x8_rows", &rows_q4x8);
-  lib.impl("q8x8_rows", &rows_q8x8);
+  impl_x8_ops(lib);
 }

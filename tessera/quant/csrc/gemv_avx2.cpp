@@ -257,24 +257,12 @@ TORCH_LIBRARY(tessera_gemv, m) {
   m.def("int8(Tensor x, Tensor q, Tensor scale) -> Tensor");
   m.def("q8_0(Tensor x, Tensor codes, Tensor d) -> Tensor");
   m.def("int4pack(Tensor x, Tensor packed, Tensor scales_zeros, int group) -> Tensor");
-  m.def("q4x8(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor");
-  m.def("q8x8(Tensor x, Tensor qs, Tensor d) -> Tensor");
-  m.def("q4x8_logits(Tensor x, Tensor qs, Tensor d, Tensor m, bool argmax, bool logits=True) -> (Tensor, Tensor)");
-  m.def("q8x8_logits(Tensor x, Tensor qs, Tensor d, bool argmax, bool logits=True) -> (Tensor, Tensor)");
-  m.def("q4x8_rows(Tensor qs, Tensor d, Tensor m, Tensor ids) -> Tensor");
-  m.def("q8x8_rows(Tensor qs, Tensor d, Tensor ids) -> Tensor");
+  define_x8_ops(m);  // gemv_x8.h's
 }
 
 TORCH_LIBRARY_IMPL(tessera_gemv, CPU, m) {
   m.impl("int8", &gemv_int8);
   m.impl("q8_0", &gemv_q8_0);
   m.impl("int4pack", &gemv_int4pack);
-  m.impl("q4x8", [](const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
-    return gemv_q4x8(x, qs, d, m);
-  });
-  m.impl("q8x8", [](const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) { return gemv_q8x8(x, qs, d); });
-  m.impl("q4x8_logits", &gemv_q4x8_logits);
-  m.impl("q8x8_logits", &gemv_q8x8_logits);
-  m.impl("q4x8_rows", &rows_q4x8);
-  m.impl("q8x8_rows", &rows_q8x8);
+  impl_x8_ops(m);
 }

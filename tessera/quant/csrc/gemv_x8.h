@@ -489,4 +489,26 @@ at::Tensor rows_q4x8(const at::Tensor& qs, const at::Tensor& d, const at::Tensor
   });
 }
 
+// The ops above, as both builds register them (gemv.cpp, gemv_avx2.cpp): their schemas, then their
+// CPU kernels.
+void define_x8_ops(torch::Library& lib) {
+  lib.def("q4x8(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor");
+  lib.def("q8x8(Tensor x, Tensor qs, Tensor d) -> Tensor");
+  lib.def("q4x8_logits(Tensor x, Tensor qs, Tensor d, Tensor m, bool argmax, bool logits=True) -> (Tensor, Tensor)");
+  lib.def("q8x8_logits(Tensor x, Tensor qs, Tensor d, bool argmax, bool logits=True) -> (Tensor, Tensor)");
+  lib.def("q4x8_rows(Tensor qs, Tensor d, Tensor m, Tensor ids) -> Tensor");
+  lib.def("q8x8_rows(Tensor qs, Tensor d, Tensor ids) -> Tensor");
+}
+
+void impl_x8_ops(torch::Library& lib) {
+  lib.impl("q4x8", [](const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
+    return gemv_q4x8(x, qs, d, m);
+  });
+  lib.impl("q8x8", [](const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) { return gemv_q8x8(x, qs, d); });
+  lib.impl("q4x8_logits", &gemv_q4x8_logits);
+  lib.impl("q8x8_logits", &gemv_q8x8_logits);
+  lib.impl("q4x8_rows", &rows_q4x8);
+  lib.impl("q8x8_rows", &rows_q8x8);
+}
+
 #pragma GCC pop_options
