@@ -329,11 +329,13 @@ def test_paged_attention_matches_softmax_formula(dtype, heads, block_size, arith
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arithmetic", ARITHMETICS)
-def test_a_lone_decode_split_over_kv_heads_equals_it_in_a_batch(dtype, arithmetic, monkeypatch):
+@pytest.mark.parametrize("heads", [(9, 3), (4, 1), (5, 1)], ids=["gqa", "mqa", "mqa-odd"])
+def test_a_lone_decode_split_over_kv_heads_equals_it_in_a_batch(dtype, arithmetic, heads, monkeypatch):
     """With fewer sequences than threads the kernel gives each KV head its own work item (one
-    decode would otherwise run on one core): the rows must be the bits they are in a batch,
-    where one item covers all heads, and match the formula."""
-    h, hkv, d, block_size = 9, 3, 64, 16
+    decode would otherwise run on one core), and with one KV head (MQA) each half of its query
+    heads (not on AMX): the rows must be the bits they are in a batch, where one item covers all
+    heads, and match the formula."""
+    (h, hkv), d, block_size = heads, 64, 16
     _use_arithmetic(monkeypatch, arithmetic, dtype == torch.bfloat16)
     gen = torch.Generator().manual_seed(4)
     num_blocks = 80

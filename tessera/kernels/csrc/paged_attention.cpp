@@ -1087,6 +1087,7 @@ struct Workspace {
   std::vector<float> cs, pv, corr;
   int nbt = 0;  // C tiles (16 query rows each) per KV head
   int64_t kvh0 = 0, kvh1 = 0;  // the work item's KV heads [kvh0, kvh1)
+  int qh0 = 0, qh1 = 0;        // and of each, the query heads [qh0, qh1) of its g
   TilePrefetch pf;  // the next tile's rows (AVX2)
 };
 
@@ -1471,10 +1472,11 @@ void attend_item(const Problem& pb, const int32_t* table, const int32_t* ctx, in
           const int j1 = static_cast<int>(std::min<int64_t>(hi[t] - start, kLanes));
           if (j0 >= j1) continue;
           const int64_t r0 = t * heads + kvh * g;
-          int h = 0;
-          for (; h + 3 <= g; h += 3) attend_rows<C, D, 3, P>(ws, r0 + h, kT, kp, pb.scale, vc, off, vscale, j0, j1);
-          if (g - h == 2) attend_rows<C, D, 2, P>(ws, r0 + h, kT, kp, pb.scale, vc, off, vscale, j0, j1);
-          if (g - h == 1) attend_rows<C, D, 1, P>(ws, r0 + h, kT, kp, pb.scale, vc, off, vscale, j0, j1);
+          const int h1 = ws.qh1;
+          int h = ws.qh0;
+          for (; h + 3 <= h1; h += 3) attend_rows<C, D, 3, P>(ws, r0 + h, kT, kp, pb.scale, vc, off, vscale, j0, j1);
+          if (h1 - h == 2) attend_rows<C, D, 2, P>(ws, r0 + h, kT, kp, pb.scale, vc, off, vscale, j0, j1);
+          if (h1 - h == 1) attend_rows<C, D, 1, P>(ws, r0 + h, kT, kp, pb.scale, vc, off, vscale, j0, j1);
         }
       };
       // The next tile's rows of this head go out in two halves, each behind this tile's loads of
@@ -1556,6 +1558,7 @@ void run(const at::Tensor& q, const Problem& pb, AttendFn attend, const int32_t*
     int64_t first, cost;
     int tq;
     int64_t kvh0, kvh1;  // KV heads [kvh0, kvh1)
+    int qh0, qh1;        // of each KV head, its query heads [qh0, qh1) of g
   };
   std::vector<Item> items;
   for (int64_t i = 0; i < t;) {
@@ -1566,16 +1569,28 @@ void run(const at::Tensor& q, const Problem& pb, AttendFn attend, const int32_t*
       lo = std::min<int64_t>(lo, pb.window > 0 ? std::max<int64_t>(0, ctx[x] - pb.window) : 0);
       hi = std::max<int64_t>(hi, ctx[x]);
     }
-    items.push_back({i, ((hi - lo) / kLanes + 1) * ((j - i) * g + 8), static_cast<int>(j - i), 0, pb.hkv});
+    items.push_back({i, ((hi - lo) / kLanes + 1) * ((j - i) * g + 8), static_cast<int>(j - i), 0, pb.hkv, 0, g});
     i = j;
   }
   // Fewer items than threads (a decode of one or a few sequences): an item per KV head instead.
   // Each KV head's rows are computed alone either way (same arithmetic, same bits); only the
   // sharing of a slot's row between the heads' loads is given up.
-  if (pb.hkv > 1 && static_cast<int64_t>(items.size()) < at::get_num_threads()) {
+  // Still fewer than threads (one KV head: MQA, Gemma 3's 270M; not on AMX, whose tile products
+  // take a KV head's query heads together): each KV head's query heads in two halves. Each half
+  // reads the head's whole K/V, the second time mostly from L3, and converts its key tiles again.
+  // Gemma 3 270M's shape (4 query heads, 1 KV head, d 256), decode b1 x 500, AMD EPYC Zen 4:
+  // 0.064-0.068 -> 0.051-0.057 ms a layer; SmolLM2's 3 KV heads over 2 threads lost by it
+  // (0.029 -> 0.033), so it is only done where a thread would idle.
+  const int64_t threads_max = at::get_num_threads();
+  if ((pb.hkv > 1 || (g > 1 && !pb.amx)) && static_cast<int64_t>(items.size()) < threads_max) {
+    const bool halves = g > 1 && !pb.amx && static_cast<int64_t>(items.size()) * pb.hkv < threads_max;
+    const int mid = halves ? (g + 1) / 2 : g;
     std::vector<Item> split;
     for (const Item& it : items)
-      for (int64_t kvh = 0; kvh < pb.hkv; ++kvh) split.push_back({it.first, it.cost / pb.hkv, it.tq, kvh, kvh + 1});
+      for (int64_t kvh = 0; kvh < pb.hkv; ++kvh) {
+        split.push_back({it.first, it.cost / pb.hkv * mid / g, it.tq, kvh, kvh + 1, 0, mid});
+        if (halves) split.push_back({it.first, it.cost / pb.hkv * (g - mid) / g, it.tq, kvh, kvh + 1, mid, g});
+      }
     items.swap(split);
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
@@ -1584,6 +1599,8 @@ void run(const at::Tensor& q, const Problem& pb, AttendFn attend, const int32_t*
     const int64_t rows = it.tq * h;
     ws.kvh0 = it.kvh0;
     ws.kvh1 = it.kvh1;
+    ws.qh0 = it.qh0;
+    ws.qh1 = it.qh1;
     const int64_t head0 = it.kvh0 * g, head1 = it.kvh1 * g;  // the item's query heads
     if (pb.amx) {
       // Q^T tiles per KV head: column n = t * g + (head % g) holds the row's d as VNNI pairs,
@@ -1641,7 +1658,7 @@ void run(const at::Tensor& q, const Problem& pb, AttendFn attend, const int32_t*
     }
     attend(pb, pb.tables + static_cast<int64_t>(seq_idx[it.first]) * pb.max_blocks, ctx + it.first, it.tq, ws);
     for (int64_t r = 0; r < rows; ++r) {
-      if (r % h < head0 || r % h >= head1) continue;  // row t * H + head
+      if (r % h < head0 || r % h >= head1 || r % g < it.qh0 || r % g >= it.qh1) continue;  // row t * H + head
       const float inv = ws.den[r] > 0.f ? 1.f / ws.den[r] : 0.f;
       T* dst = op + (it.first * h + r) * d;
       const float* a = ws.acc.data() + r * d;
