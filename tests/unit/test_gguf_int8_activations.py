@@ -110,6 +110,29 @@ def test_kernel_equals_the_int8_formula(qtype, n, k, m):
 
 
 @needs_kernel
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K])
+@pytest.mark.parametrize("m", [1, 3, 8, 9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_group_gives_the_same_bits_alone_as_beside_others(qtype, m, dtype):
+    """On AVX-512 CPUs q4x8 takes two groups of 8 weight rows at a time on 512-bit vectors where a
+    thread's tile holds two (q4x8_pair), a lone group on the 256-bit path: the same arithmetic per
+    column, so each group's columns must be the bits it gives as a weight of its own (one group:
+    the 256-bit path), whatever the rows of x."""
+    n, k = 56, 512  # 7 groups: pairs and a lone one in each thread's run
+    if qtype == Q.Q4_K:
+        raw, layer = kquant_layer(qtype, n, k, seed=5)
+        alone = [kquant_layer_of(raw[8 * j : 8 * j + 8], qtype) for j in range(n // 8)]
+    else:
+        raw, layer = quantized(qtype, n, k, seed=5)
+        alone = [Q4BlocksLinear(*decode_q4_blocks(_blocks(raw[8 * j : 8 * j + 8], qtype, 8), qtype))
+                 for j in range(n // 8)]
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3).to(dtype)
+    together = layer(x, kernel="native")
+    for j, part in enumerate(alone):
+        assert torch.equal(part(x, kernel="native"), together[:, 8 * j : 8 * j + 8]), f"group {j}"
+
+
+@needs_kernel
 @pytest.mark.parametrize("qtype", TYPES)
 def test_kernel_error_against_float_activations_is_the_rounding_of_x(qtype):
     """|native - x W^T| <= sum_k |W| d_x / 2: the int8 activation's rounding, and nothing else."""
@@ -193,12 +216,18 @@ KQUANT_ON_X8 = [Q.Q5_0, Q.Q4_K, Q.Q6_K]
 
 def kquant_layer(qtype: Q, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, Q4BlocksLinear | Q8BlocksLinear]:
     """Random block bytes (every code and scale pattern) and the layer kquant_parts builds from them."""
-    from tessera.quant.gguf_native import _layer
     from tests.unit.test_gguf_kquant import random_blocks
 
     raw = random_blocks(qtype, n, k, seed)
+    return raw, kquant_layer_of(raw, qtype)
+
+
+def kquant_layer_of(raw: np.ndarray, qtype: Q):
+    """The layer kquant_parts builds from these block bytes (rows of the file's tensor)."""
+    from tessera.quant.gguf_native import _layer
+
     kind, *parts = kquant_parts(torch.from_numpy(raw.copy()), qtype)
-    return raw, _layer(kind, parts)
+    return _layer(kind, parts)
 
 
 @pytest.mark.parametrize("qtype", KQUANT_ON_X8)

@@ -172,6 +172,61 @@ void q4x8_group(const int8_t* xq, const float* xd, const float* xs, const uint8_
   for (int i = 0; i < M; ++i) _mm256_storeu_ps(y + i * stride, _mm256_add_ps(acc[i], off[i]));
 }
 
+#if TESSERA_X8_VNNI && defined(__AVX512F__) && defined(__AVX512BW__)
+#define TESSERA_X8_PAIRS 1
+inline __m512 load_scales16(const uint16_t* p0, const uint16_t* p1) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(load_scales(p0)), load_scales(p1), 1);
+}
+inline __m512 load_scales16(const float* p0, const float* p1) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(load_scales(p0)), load_scales(p1), 1);
+}
+
+// Groups g and g + 1 together (16 weight rows, group g's 8 in lanes 0-7): q4x8_group's arithmetic
+// for each of the 16 output columns (the same integer sums, conversion, products and FMAs in the
+// same block order: the same bits), on 512-bit vectors, so each activation row's broadcasts,
+// scale products and FMAs serve twice the columns. Row i's 16 results are stored at y + i * stride.
+template <int M, typename S>
+void q4x8_pair(const int8_t* xq, const float* xd, const float* xs, const uint8_t* w, const S* d, const S* mn,
+               float* y, int64_t stride, int64_t k, int64_t g) {
+  const int64_t nb = k / 32;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const uint8_t* wg = w + g * nb * 128;
+  const uint8_t* wh = wg + nb * 128;
+  const S *dg = d + g * nb * 8, *mg = mn + g * nb * 8;
+  __m512 acc[M], off[M];
+  for (int i = 0; i < M; ++i) acc[i] = off[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i lo[4], hi[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + b * 128 + 32 * j))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wh + b * 128 + 32 * j)), 1);
+      lo[j] = _mm512_and_si512(v, low);
+      hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    const __m512 dw = load_scales16(dg + b * 8, dg + (nb + b) * 8), mw = load_scales16(mg + b * 8, mg + (nb + b) * 8);
+    for (int i = 0; i < M; ++i) {
+      const int8_t* xb = xq + i * k + b * 32;
+      // Two accumulators, as in q4x8_group: one chain of eight was slower (VPDPBUSD's latency).
+      __m512i p = _mm512_setzero_si512(), p2 = _mm512_setzero_si512();
+      for (int j = 0; j < 4; ++j) {
+        int32_t u0, u1;
+        std::memcpy(&u0, xb + 8 * j, 4);
+        std::memcpy(&u1, xb + 8 * j + 4, 4);
+        p = _mm512_dpbusd_epi32(p, lo[j], _mm512_set1_epi32(u0));
+        p2 = _mm512_dpbusd_epi32(p2, hi[j], _mm512_set1_epi32(u1));
+      }
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(p, p2));
+      acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(xd[i * nb + b])), acc[i]);
+      off[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[i * nb + b]), off[i]);
+    }
+  }
+  for (int i = 0; i < M; ++i) _mm512_storeu_ps(y + i * stride, _mm512_add_ps(acc[i], off[i]));
+}
+#else
+#define TESSERA_X8_PAIRS 0
+#endif
+
 // Group g of a Q8_0 weight in the q8x8 layout (gguf_int8_activations.pack_q8x8) against M quantized
 // activation rows: per group and block 256 bytes, eight 32-byte vectors j, byte 4 i + t of vector j
 // row i's code at k = 4 j + t. VPMADDUBSW takes its unsigned operand first, so |w| meets x with w's
@@ -272,8 +327,9 @@ struct X8Logits {
 // x [M, K] against `groups` groups of 8 weight rows -> y [M, 8 groups] in x's dtype (float32 or
 // bf16), any M: x is quantized once, then each thread walks its groups in tiles of about 16 KiB of
 // codes (which stay in L1) and runs every chunk of up to kMaxRows activation rows over a tile:
-// group(M, x codes, x codes + 128 (only with_unsigned: q8x8 on VPDPBUSD), d_x, s_x, y, stride, g)
-// stores group g's results for row i at y + i * stride. A row of the output depends only on its row
+// group(M, x codes, x codes + 128 (only with_unsigned: q8x8 on VPDPBUSD), d_x, s_x, y, stride, g,
+// left) stores group g's results for row i at y + i * stride, and may take the next group too (left:
+// groups left in the tile, g's included; q4x8_pair), returning how many it took. A row of the output depends only on its row
 // of x (its own quantization, the same block order), so the result does not depend on the batch. A
 // bf16 y is the float32 result rounded to nearest even (what .to(bfloat16) gives), tile by tile: a
 // bf16 step's linear is one op, not three (a conversion each way cost more than a small call's
@@ -305,9 +361,9 @@ at::Tensor x8_groups(const at::Tensor& x, int64_t groups, int64_t k, int64_t gro
         const int64_t rows = std::min(kMaxRows, m - m0), stride = bf16 ? width : n;
         float* base = bf16 ? scratch.data() : yf + m0 * n + 8 * t0;
         dispatch_rows<1>(rows, [&]<int M>() {
-          for (int64_t g = t0; g < t1; ++g)
-            group.template operator()<M>(q + m0 * k, u ? u + m0 * k : nullptr, d + m0 * nb, s + m0 * nb,
-                                         base + 8 * (g - t0), stride, g);
+          for (int64_t g = t0; g < t1;)
+            g += group.template operator()<M>(q + m0 * k, u ? u + m0 * k : nullptr, d + m0 * nb, s + m0 * nb,
+                                              base + 8 * (g - t0), stride, g, t1 - g);
         });
         if (logits)
           logits->take(chunk.get(), base, stride, m0, rows, n, 8 * t0, 8 * t1);
@@ -355,8 +411,17 @@ at::Tensor gemv_q4x8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   return with_scale_type(d, [&]<typename S>() {
     const S *dp = scales_of<S>(d), *mp = scales_of<S>(mn);
     return x8_groups(x, groups, k, nb * 128, false, [&]<int M>(const int8_t* xq, const uint8_t*, const float* xd, const float* xs,
-                                                         float* y, int64_t stride, int64_t g) { q4x8_group<M, S>(xq, xd, xs, qp, dp, mp, y, stride, k, g); },
-                     logits);
+                                                         float* y, int64_t stride, int64_t g, int64_t left) -> int64_t {
+#if TESSERA_X8_PAIRS
+      if (left >= 2) {
+        q4x8_pair<M, S>(xq, xd, xs, qp, dp, mp, y, stride, k, g);
+        return 2;
+      }
+#endif
+      (void)left;
+      q4x8_group<M, S>(xq, xd, xs, qp, dp, mp, y, stride, k, g);
+      return 1;
+    }, logits);
   });
 }
 
@@ -372,9 +437,11 @@ at::Tensor gemv_q8x8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   return with_scale_type(d, [&]<typename S>() {
     const S* dp = scales_of<S>(d);
     return x8_groups(x, groups, k, nb * 256, true, [&]<int M>(const int8_t* xq, const uint8_t* xu, const float* xd, const float*,
-                                                         float* y, int64_t stride, int64_t g) {
+                                                         float* y, int64_t stride, int64_t g, int64_t left) -> int64_t {
+      (void)left;
       if (per16) q8x8_group<M, S, 16>(xq, xu, xd, qp, dp, y, stride, k, g);
       else q8x8_group<M, S, 32>(xq, xu, xd, qp, dp, y, stride, k, g);
+      return 1;
     }, logits);
   });
 }
