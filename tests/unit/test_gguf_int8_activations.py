@@ -111,13 +111,13 @@ def test_kernel_equals_the_int8_formula(qtype, n, k, m):
 
 @needs_kernel
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K])
-@pytest.mark.parametrize("m", [1, 3, 8, 9])
+@pytest.mark.parametrize("m", [1, 9, 33, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_group_gives_the_same_bits_alone_as_beside_others(qtype, m, dtype):
-    """On AVX-512 CPUs q4x8 takes two groups of 8 weight rows at a time on 512-bit vectors where a
-    thread's tile holds two (q4x8_pair), a lone group on the 256-bit path: the same arithmetic per
-    column, so each group's columns must be the bits it gives as a weight of its own (one group:
-    the 256-bit path), whatever the rows of x."""
+    """On AVX-512 CPUs a q4x8 call of more than 32 rows (a prefill chunk) takes two groups of 8
+    weight rows at a time on 512-bit vectors where a thread's tile holds two (q4x8_pair), a lone
+    group and smaller calls the 256-bit path: the same arithmetic per column, so each group's
+    columns must be the bits it gives as a weight of its own (one group: the 256-bit path)."""
     n, k = 56, 512  # 7 groups: pairs and a lone one in each thread's run
     if qtype == Q.Q4_K:
         raw, layer = kquant_layer(qtype, n, k, seed=5)
