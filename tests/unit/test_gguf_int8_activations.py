@@ -98,7 +98,7 @@ def test_layer_holds_the_files_weight(qtype):
 @needs_kernel
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("n,k", [(960, 576), (37, 64), (16, 1536)])
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 20])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 20, 130])  # 130 x 576: x quantized on every thread
 def test_kernel_equals_the_int8_formula(qtype, n, k, m):
     raw, layer = quantized(qtype, n, k, seed=n + k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
