@@ -772,14 +772,13 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void q8_rows_direct(
   store_acc<R, B>(w, acc, nb0, 0, out, dtype);
 }
 
-template <int B>
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void q8_direct_tile(
-    int64_t rows, const Weight& w, int64_t nb0, const uint16_t* a, void* out, at::ScalarType dtype) {
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void q8_direct_block(
+    int64_t rows, const Weight& w, int64_t nb, const uint16_t* a, void* out, at::ScalarType dtype) {
   switch (rows) {
-    case 4: q8_rows_direct<4, B>(w, nb0, a, out, dtype); break;
-    case 3: q8_rows_direct<3, B>(w, nb0, a, out, dtype); break;
-    case 2: q8_rows_direct<2, B>(w, nb0, a, out, dtype); break;
-    default: q8_rows_direct<1, B>(w, nb0, a, out, dtype); break;
+    case 4: q8_rows_direct<4, 1>(w, nb, a, out, dtype); break;
+    case 3: q8_rows_direct<3, 1>(w, nb, a, out, dtype); break;
+    case 2: q8_rows_direct<2, 1>(w, nb, a, out, dtype); break;
+    default: q8_rows_direct<1, 1>(w, nb, a, out, dtype); break;
   }
 }
 
@@ -788,7 +787,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void q8_direct_tile(
 // kq_tile makes it (kq_row, one rounding to bf16) and multiplied at once, without the store to and
 // reload from L1. Measured (AMD EPYC Zen 4, the default model's 120 Q4_1 layer linears, one process
 // alternating with the buffered path, median of 15): 1 row 5.89-6.93 -> 5.15-5.37 ms, 4 rows
-// 6.66-7.11 -> 6.12-6.36. Four blocks at a time up to 4 rows (two, at 3-4 rows, were no faster).
+// 6.66-7.11 -> 6.12-6.36. B column blocks at a time; the dispatch takes one (see qgemm).
 template <int R, int B, int P>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void kq_rows_direct(
     const Weight& w, int64_t nb0, const uint16_t* a, void* out, at::ScalarType dtype) {
@@ -828,33 +827,26 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void kq_rows_direct(
   store_acc<R, B>(w, acc, nb0, 0, out, dtype);
 }
 
-template <int B, int P>
+template <int P>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void kq_direct_rows(
-    int64_t rows, const Weight& w, int64_t nb0, const uint16_t* a, void* out, at::ScalarType dtype) {
-  if (rows > 4) {  // two blocks at a time: 2 x rows accumulators and the blocks' scales in registers
-    for (int h = 0; h < B; h += 2)
-      switch (rows) {
-        case 8: kq_rows_direct<8, 2, P>(w, nb0 + h, a, out, dtype); break;
-        case 7: kq_rows_direct<7, 2, P>(w, nb0 + h, a, out, dtype); break;
-        case 6: kq_rows_direct<6, 2, P>(w, nb0 + h, a, out, dtype); break;
-        default: kq_rows_direct<5, 2, P>(w, nb0 + h, a, out, dtype); break;
-      }
-    return;
-  }
+    int64_t rows, const Weight& w, int64_t nb, const uint16_t* a, void* out, at::ScalarType dtype) {
   switch (rows) {
-    case 4: kq_rows_direct<4, B, P>(w, nb0, a, out, dtype); break;
-    case 3: kq_rows_direct<3, B, P>(w, nb0, a, out, dtype); break;
-    case 2: kq_rows_direct<2, B, P>(w, nb0, a, out, dtype); break;
-    default: kq_rows_direct<1, B, P>(w, nb0, a, out, dtype); break;
+    case 8: kq_rows_direct<8, 1, P>(w, nb, a, out, dtype); break;
+    case 7: kq_rows_direct<7, 1, P>(w, nb, a, out, dtype); break;
+    case 6: kq_rows_direct<6, 1, P>(w, nb, a, out, dtype); break;
+    case 5: kq_rows_direct<5, 1, P>(w, nb, a, out, dtype); break;
+    case 4: kq_rows_direct<4, 1, P>(w, nb, a, out, dtype); break;
+    case 3: kq_rows_direct<3, 1, P>(w, nb, a, out, dtype); break;
+    case 2: kq_rows_direct<2, 1, P>(w, nb, a, out, dtype); break;
+    default: kq_rows_direct<1, 1, P>(w, nb, a, out, dtype); break;
   }
 }
 
-template <int B>
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void kq_direct_tile(
-    int64_t rows, const Weight& w, int64_t nb0, const uint16_t* a, void* out, at::ScalarType dtype) {
-  if (w.nplanes == 0) return kq_direct_rows<B, 0>(rows, w, nb0, a, out, dtype);
-  if (w.nplanes == 1) return kq_direct_rows<B, 1>(rows, w, nb0, a, out, dtype);
-  kq_direct_rows<B, 2>(rows, w, nb0, a, out, dtype);
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void kq_direct_block(
+    int64_t rows, const Weight& w, int64_t nb, const uint16_t* a, void* out, at::ScalarType dtype) {
+  if (w.nplanes == 0) return kq_direct_rows<0>(rows, w, nb, a, out, dtype);
+  if (w.nplanes == 1) return kq_direct_rows<1>(rows, w, nb, a, out, dtype);
+  kq_direct_rows<2>(rows, w, nb, a, out, dtype);
 }
 
 constexpr int64_t kSmallRows = 4;
@@ -1200,21 +1192,19 @@ at::Tensor run(const at::Tensor& x, const Weight& w, int64_t nbk, bool logits = 
     return out;
   }
   // Decode sizes with bf16 x: each weight row made in registers as it is multiplied (INT8 and Q8_0
-  // up to kSmallRows, the KQ formats up to kKQDirectRows), four blocks a task (a share's last: two).
+  // up to kSmallRows, the KQ formats up to kKQDirectRows), one column block at a time. A block's
+  // tiles are one run of memory; four blocks at once (as here until session 44) were four streams a
+  // thread, and this memory-bound call ran slower for it. AMD EPYC Zen 4 (model 17), the engine's
+  // bf16 step on the default model's Q4_1 layers and Q8_0 lm_head, the two alternating in one
+  // process, ms: 1 sequence 7.31-7.56 -> 6.31-6.39, 2 7.98-8.13 -> 7.14-7.25, 4 9.68-9.84 ->
+  // 8.89-8.96, 6 11.4-11.5 -> 10.8-11.1, 8 12.4-14.1 -> 11.9-13.4; Gemma 3 270M (Q4_K_M) one
+  // sequence 13.0-13.3 -> 11.2-11.5. The same products in the same order: the same bits.
   const bool q8_direct = m <= kSmallRows && (fmt == kInt8 || fmt == kQ8_0);
   const bool kq_direct = m <= kKQDirectRows && fmt == kKQ;
   if (!amx && !a_lo && (q8_direct || kq_direct)) {
-    auto blocks_of = [&]<int B>(int64_t nb0) {
-      if (kq_direct)
-        kq_direct_tile<B>(m, w, nb0, a_hi, outp, dtype);
-      else
-        q8_direct_tile<B>(m, w, nb0, a_hi, outp, dtype);
-    };
     for_pair_groups(nbk, [&](int64_t nb0, int blocks) {
-      if (blocks == 4)
-        blocks_of.template operator()<4>(nb0);
-      else
-        blocks_of.template operator()<2>(nb0);
+      for (int i = 0; i < blocks; ++i)
+        (kq_direct ? kq_direct_block : q8_direct_block)(m, w, nb0 + i, a_hi, outp, dtype);
     });
     return out;
   }
