@@ -130,6 +130,13 @@ void dp_rows(int rows, const at::BFloat16* a, int64_t lda, const at::BFloat16* b
 }
 
 constexpr int kTileRows = 6, kTileBlocks = 4, kTaskRows = 96;  // 24 accumulators + 4 weight vectors
+// Calls of at most this many rows (decode steps) take one 16-column block at a time, not
+// kTileBlocks: a block's weights are one run of memory, and four read at once were four streams a
+// thread in a call bound by the memory. AMD EPYC Zen 4 (model 17), the default model's bf16 step
+// from its bf16 weights (TESSERA_GGUF_CODES=0), the two alternating in one process, ms: 1 sequence
+// 7.50-7.83 -> 6.84-7.04, 4 9.76-10.21 -> 9.45-9.78, 8 13.7-14.6 -> 13.3-13.4; 2 the same within
+// noise. Each output's chain over K is the same either way: the same bits.
+constexpr int64_t kOneBlockRows = 8;
 // Row tasks of at most this many tiles (48 rows) prefetch the next weights (avx512_gemm). More
 // rows gain nothing: a 64-row step no faster, 256 rows 1-5% slower (Zen 4, model 17).
 constexpr int64_t kPrefetchTiles = 8;
@@ -178,9 +185,10 @@ void avx512_gemm(const at::BFloat16* a, int64_t lda, const at::BFloat16* b, cons
         const int64_t r_end = std::min(m1, r_task + kTaskRows);
         const int64_t tiles = (r_end - r_task + kTileRows - 1) / kTileRows;
         const bool prefetch_next = tiles >= 2 && tiles <= kPrefetchTiles;  // see below
-        for (int64_t cb = b0; cb < b1; cb += kTileBlocks) {
+        const int64_t step_blocks = m <= kOneBlockRows ? 1 : kTileBlocks;
+        for (int64_t cb = b0; cb < b1; cb += step_blocks) {
           const int64_t col0 = cb * 16;
-          const int blocks_here = static_cast<int>(std::min<int64_t>(kTileBlocks, b1 - cb));
+          const int blocks_here = static_cast<int>(std::min<int64_t>(step_blocks, b1 - cb));
           const int64_t cols = std::min<int64_t>(n - col0, blocks_here * 16);
           const at::BFloat16* bt = b + cb * b_block;
           const float* bs = bias ? bias + col0 : nullptr;
@@ -190,10 +198,10 @@ void avx512_gemm(const at::BFloat16* a, int64_t lda, const at::BFloat16* b, cons
           // next (its next 4 blocks, or its first again for the next row task), an equal slice
           // each, so the next task's first tile finds its weights in L2 too.
           int64_t next_cb = -1;  // none
-          if (prefetch_next) next_cb = cb + kTileBlocks < b1 ? cb + kTileBlocks : (r_end < m1 ? b0 : -1);
+          if (prefetch_next) next_cb = cb + step_blocks < b1 ? cb + step_blocks : (r_end < m1 ? b0 : -1);
           const char* next_w = next_cb < 0 ? nullptr : reinterpret_cast<const char*>(b + next_cb * b_block);
           const int64_t next_lines = next_cb < 0 ? 0
-              : std::min<int64_t>(kTileBlocks, b1 - next_cb) * b_block * static_cast<int64_t>(sizeof(at::BFloat16)) / 64;
+              : std::min<int64_t>(step_blocks, b1 - next_cb) * b_block * static_cast<int64_t>(sizeof(at::BFloat16)) / 64;
           for (int64_t r0 = r_task; r0 < r_end; r0 += kTileRows) {
             const int rows = static_cast<int>(std::min<int64_t>(kTileRows, r_end - r0));
             const at::BFloat16* ar = a + r0 * lda;
