@@ -787,7 +787,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void q8_direct_block(
 // kq_tile makes it (kq_row, one rounding to bf16) and multiplied at once, without the store to and
 // reload from L1. Measured (AMD EPYC Zen 4, the default model's 120 Q4_1 layer linears, one process
 // alternating with the buffered path, median of 15): 1 row 5.89-6.93 -> 5.15-5.37 ms, 4 rows
-// 6.66-7.11 -> 6.12-6.36. B column blocks at a time; the dispatch takes one (see qgemm).
+// 6.66-7.11 -> 6.12-6.36. B column blocks at a time; run's decode dispatch takes one (see there).
 template <int R, int B, int P>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void kq_rows_direct(
     const Weight& w, int64_t nb0, const uint16_t* a, void* out, at::ScalarType dtype) {
@@ -1031,9 +1031,10 @@ void for_pair_groups(int64_t nbk, const Tile& tile) {
 }
 
 // Every output of an INT4 weight without AMX. Up to 3 rows: two column pairs per task, with bf16
-// activations a block at a time, each weight row made in a register as it is used (int4_rows_direct), with float32
-// ones each K step's four tiles made in an L1 buffer (read twice, for hi and lo); more rows: one
-// pair per task, its whole K made once into bbuf and read by every 6-row tile.
+// activations a block at a time, each weight row made in a register as it is used
+// (int4_rows_direct), with float32 ones each K step's four tiles made in an L1 buffer (read twice,
+// for hi and lo); more rows: one pair per task, its whole K made once into bbuf and read by every
+// 6-row tile.
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void int4_avx512(
     const Weight& w, int64_t nbk, const uint16_t* a_hi, const uint16_t* a_lo, int64_t m, void* out,
     at::ScalarType dtype) {
@@ -1042,9 +1043,9 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void int4_avx512(
   int4_group_sums(a_hi, a_lo, m, w.kp, w.groups, sums.data());
   const float* sp = sums.data();
   if (m <= 3 && !a_lo) {
-    // One column block at a time (one weight stream a thread), as qgemm's direct decode: `--quantization
-    // int4` on the default model, one sequence, 5.66-5.74 -> 5.17-5.21 ms a token (Zen 4, alternating
-    // in one process).
+    // One column block at a time (one weight stream a thread), as run's direct decode:
+    // `--quantization int4` on the default model, one sequence, 5.66-5.74 -> 5.17-5.21 ms a token
+    // (Zen 4, alternating in one process).
     for_pair_groups(nbk, [&](int64_t nb0, int blocks) {
       for (int i = 0; i < blocks; ++i) int4_direct_tile<1>(m, w, nb0 + i, a_hi, sp, out, dtype);
     });
