@@ -18,7 +18,7 @@ import torch
 from tessera import kernels
 from tessera.attention.invariant_cpu import _HEAD_DIMS, InvariantCPUAttention
 from tessera.attention.metadata import AttentionMetadata
-from tessera.model.native_stack import LINEAR_SLOTS, _linear_spec, takes_step
+from tessera.model.native_stack import _linear_spec, layer_linears, takes_step
 
 logger = logging.getLogger("tessera")
 
@@ -35,10 +35,9 @@ class GemmaStack:
         self.lin_tensors: list[torch.Tensor | None] = []
         self.lin_meta: list[int] = []
         for layer in model.layers:
-            for w in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-                kind, fmt, tensors = _linear_spec(w)
-                self.lin_meta += [kind, fmt]
-                self.lin_tensors += tensors + [None] * (LINEAR_SLOTS - len(tensors))
+            meta, tensors = layer_linears(layer)
+            self.lin_meta += meta
+            self.lin_tensors += tensors
         self.windows = [layer.self_attn.sliding_window or 0 for layer in model.layers]
         self.local = [int(layer.is_local) for layer in model.layers]
         self.eps = model.norm.eps

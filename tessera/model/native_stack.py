@@ -61,12 +61,11 @@ class NativeStack:
         biases: list[torch.Tensor | None] = []
         windows: list[int] = []
         for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
             norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            for w in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                kind, fmt, tensors = _linear_spec(w)
-                lin_meta += [kind, fmt]
-                lin_tensors += tensors + [None] * (LINEAR_SLOTS - len(tensors))
+            meta, tensors = layer_linears(layer)
+            lin_meta += meta
+            lin_tensors += tensors
             biases.append(attn.qkv_bias)
             windows.append(attn.sliding_window or 0)
         first = model.layers[0]
@@ -106,6 +105,19 @@ def build_native_stack(model):
 
         return GemmaStack.build(model)
     return NativeStack.build(model)
+
+
+def layer_linears(layer) -> tuple[list[int], list[torch.Tensor | None]]:
+    """A layer's four linears (qkv, o, gate_up, down) as both stacks take them: (kind, format) each
+    in the first list, LINEAR_SLOTS tensor slots each (the unused ones None) in the second."""
+    meta: list[int] = []
+    slots: list[torch.Tensor | None] = []
+    attn, mlp = layer.self_attn, layer.mlp
+    for w in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        kind, fmt, tensors = _linear_spec(w)
+        meta += [kind, fmt]
+        slots += tensors + [None] * (LINEAR_SLOTS - len(tensors))
+    return meta, slots
 
 
 def _linear_spec(w) -> tuple[int, int, list[torch.Tensor | None]]:

@@ -89,35 +89,36 @@ const QuantizedX& quantize_rows_q8_1(const T* x, int64_t m, int64_t k, bool with
   int8_t* const qo = out.q.data();
   float *const d_out = out.d.data(), *const s_out = out.s.data();
   at::parallel_for(0, m * nb, 2048, [&](int64_t i0, int64_t i1) {
-  for (int64_t i = i0; i < i1; ++i) {
-    const T* v = x + i * 32;
-    __m256 f[4];
-    __m256 amax = _mm256_setzero_ps();
-    for (int j = 0; j < 4; ++j) {
-      f[j] = load8_f32(v + 8 * j);
-      amax = _mm256_max_ps(amax, _mm256_and_ps(f[j], abs_mask));
+    for (int64_t i = i0; i < i1; ++i) {
+      const T* v = x + i * 32;
+      __m256 f[4];
+      __m256 amax = _mm256_setzero_ps();
+      for (int j = 0; j < 4; ++j) {
+        f[j] = load8_f32(v + 8 * j);
+        amax = _mm256_max_ps(amax, _mm256_and_ps(f[j], abs_mask));
+      }
+      __m128 a = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+      a = _mm_max_ss(a, _mm_shuffle_ps(a, a, 1));
+      const float top = _mm_cvtss_f32(a), d = top / 127.f, id = top != 0.f ? 127.f / top : 0.f;
+      __m256i qi[4];
+      for (int j = 0; j < 4; ++j)
+        qi[j] = _mm256_cvtps_epi32(
+            _mm256_round_ps(_mm256_mul_ps(f[j], _mm256_set1_ps(id)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+      // int32 -> int8 in order: the packs interleave 128-bit lanes, the permute undoes it.
+      const __m256i q16 = _mm256_packs_epi32(qi[0], qi[1]), q16b = _mm256_packs_epi32(qi[2], qi[3]);
+      const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16, q16b), order);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qo + i * 32), q8);
+      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+      d_out[i] = d;
+      s_out[i] = d * float(_mm_cvtsi128_si32(t));
+      if (u)  // q + 128: the codes with their top bit flipped
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(u + i * 32),
+                            _mm256_xor_si256(q8, _mm256_set1_epi8(static_cast<char>(0x80))));
     }
-    __m128 a = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
-    a = _mm_max_ss(a, _mm_shuffle_ps(a, a, 1));
-    const float top = _mm_cvtss_f32(a), d = top / 127.f, id = top != 0.f ? 127.f / top : 0.f;
-    __m256i qi[4];
-    for (int j = 0; j < 4; ++j)
-      qi[j] = _mm256_cvtps_epi32(
-          _mm256_round_ps(_mm256_mul_ps(f[j], _mm256_set1_ps(id)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
-    // int32 -> int8 in order: the packs interleave 128-bit lanes, the permute undoes it.
-    const __m256i q16 = _mm256_packs_epi32(qi[0], qi[1]), q16b = _mm256_packs_epi32(qi[2], qi[3]);
-    const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16, q16b), order);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qo + i * 32), q8);
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
-    d_out[i] = d;
-    s_out[i] = d * float(_mm_cvtsi128_si32(t));
-    if (u)  // q + 128: the codes with their top bit flipped
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(u + i * 32), _mm256_xor_si256(q8, _mm256_set1_epi8(static_cast<char>(0x80))));
-  }
   });
   return out;
 }
@@ -183,10 +184,8 @@ void q4x8_group(const int8_t* xq, const float* xd, const float* xs, const uint8_
 
 #if TESSERA_X8_VNNI && defined(__AVX512F__) && defined(__AVX512BW__)
 #define TESSERA_X8_PAIRS 1
-inline __m512 load_scales16(const uint16_t* p0, const uint16_t* p1) {
-  return _mm512_insertf32x8(_mm512_castps256_ps512(load_scales(p0)), load_scales(p1), 1);
-}
-inline __m512 load_scales16(const float* p0, const float* p1) {
+template <typename S>  // two groups' 8 scales (float16 or float32), group g's in lanes 0-7
+inline __m512 load_scales16(const S* p0, const S* p1) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(load_scales(p0)), load_scales(p1), 1);
 }
 
@@ -343,9 +342,10 @@ struct X8Logits {
 // bf16), any M: x is quantized once, then each thread walks its groups in tiles of about 16 KiB of
 // codes (which stay in L1) and runs every chunk of up to kMaxRows activation rows over a tile:
 // group(M, x codes, x codes + 128 (only with_unsigned: q8x8 on VPDPBUSD), d_x, s_x, y, stride, g,
-// left) stores group g's results for row i at y + i * stride, and may take the next group too (left:
-// groups left in the tile, g's included; q4x8_pair), returning how many it took. A row of the output depends only on its row
-// of x (its own quantization, the same block order), so the result does not depend on the batch. A
+// left) stores group g's results for row i at y + i * stride, and may take the next group too
+// (left: groups left in the tile, g's included; q4x8_pair), returning how many it took. A row of
+// the output depends only on its row of x (its own quantization, the same block order), so the
+// result does not depend on the batch. A
 // bf16 y is the float32 result rounded to nearest even (what .to(bfloat16) gives), tile by tile: a
 // bf16 step's linear is one op, not three (a conversion each way cost more than a small call's
 // kernel, its code cold after the weights streamed through the caches). With `logits` (bf16 x)
